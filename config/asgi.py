@@ -1,0 +1,18 @@
+"""ASGI entry point: HTTP goes to Django's own ASGI handler (it notices client disconnects while
+streaming and cancels the view, which aborts the generation)."""
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+
+from channels.routing import ProtocolTypeRouter  # noqa: E402
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_asgi_app = get_asgi_application()
+
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+    }
+)

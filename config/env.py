@@ -1,0 +1,48 @@
+"""The one reader of the environment. Settings modules ask here; nothing else reads os.environ."""
+
+import os
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_str(name: str, default: str | None = None, *, required: bool = False) -> str | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        if required:
+            raise ImproperlyConfigured(f"Set the {name} environment variable.")
+        return default
+    return value
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = env_str(name)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ImproperlyConfigured(f"{name} must be a boolean (1/0, true/false), not {value!r}.")
+
+
+def env_int(name: str, default: int) -> int:
+    value = env_str(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer, not {value!r}.") from None
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    value = env_str(name)
+    return default if value is None else [item.strip() for item in value.split(",") if item.strip()]
+
+
+def orchard_home() -> Path:
+    home = Path(env_str("ORCHARD_HOME", str(BASE_DIR / "var")))
+    return home if home.is_absolute() else (BASE_DIR / home)

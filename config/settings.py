@@ -1,0 +1,148 @@
+"""Orchard settings, read from the environment through config/env.py.
+
+Defaults suit a developer machine: SQLite under $ORCHARD_HOME (default var/), the in-memory
+channel layer, the engine in the web process. DATABASE_URL switches to PostgreSQL, REDIS_URL to
+the Redis channel layer and shared rate limits. config/settings_production.py hardens this.
+"""
+
+import secrets
+
+import dj_database_url
+
+from config.env import BASE_DIR, env_bool, env_int, env_list, env_str, orchard_home
+
+ORCHARD_HOME = orchard_home()
+ORCHARD_HOME.mkdir(parents=True, exist_ok=True)
+
+
+def _dev_secret_key() -> str:
+    # A per-installation key kept under ORCHARD_HOME, so sessions survive restarts in development.
+    path = ORCHARD_HOME / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+DEBUG = env_bool("DJANGO_DEBUG", False)
+SECRET_KEY = env_str("DJANGO_SECRET_KEY") or _dev_secret_key()
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "servestatic.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "accounts",
+    "inference",
+    "engine",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "servestatic.middleware.ServeStaticMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "inference.middleware.OpenAIApiMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASE_URL = env_str("DATABASE_URL")
+if DATABASE_URL:
+    # CONN_MAX_AGE=0: persistent connections leak under ASGI (each async request may run its
+    # sync DB work on a different thread).
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": env_str("ORCHARD_SQLITE_PATH") or str(ORCHARD_HOME / "db.sqlite3"),
+            # A file, not memory: the live-server tests share it with a daphne subprocess.
+            "TEST": {"NAME": str(ORCHARD_HOME / "test-db.sqlite3")},
+            "OPTIONS": {
+                # IMMEDIATE takes the write lock at BEGIN, so concurrent writers queue on the busy
+                # timeout instead of failing with "database is locked" half-way through.
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 30,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_str("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = ORCHARD_HOME / "static"
+
+# /v1 bodies above this are refused with 413 before they are parsed.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("ORCHARD_MAX_BODY_BYTES", 8 * 1024 * 1024)
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    "UNAUTHENTICATED_USER": None,
+}
+
+# Orchard
+ORCHARD_MODELS_DIR = ORCHARD_HOME / "models"
+ORCHARD_ENGINE = env_str("ORCHARD_ENGINE", "local")  # "local" today; "remote" with runengine later
+# Load the enabled models when the web process starts instead of on their first request.
+ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", False)
+ORCHARD_KEY_PREFIX = "sk-orch-"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("ORCHARD_LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

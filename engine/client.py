@@ -1,0 +1,56 @@
+"""The one interface through which the web side talks to the engine.
+
+`LocalEngineClient` (engine/local.py) runs the worker in this process; a remote client over the
+Channels layer implements the same methods later. The API never touches schedulers or MLX.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+
+from engine.protocol import (
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    ModelSpec,
+    PromptInput,
+)
+
+
+class EngineClient(abc.ABC):
+    @abc.abstractmethod
+    async def ensure_model(self, spec: ModelSpec) -> ModelInfo:
+        """Load the model if it is not loaded (or reload it if its spec changed); return its info."""
+
+    @abc.abstractmethod
+    async def unload_model(self, name: str) -> None:
+        """Stop serving a model; its in-flight requests end with finish_reason "abort"."""
+
+    @abc.abstractmethod
+    async def render_prompt(self, model: str, prompt: PromptInput) -> list[int]:
+        """Token ids for a prompt: chat messages through the model's chat template (with `tools`
+        and `chat_template_kwargs`), text through the tokenizer, or token ids as they are."""
+
+    @abc.abstractmethod
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        """Text for token ids (used for `echo`)."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream outputs for a request. Validation errors and overload are raised before the
+        first output. Closing the iterator early (or cancelling the task consuming it) aborts
+        the request in the engine, freeing its slot within one engine step."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort a request by id (a no-op when it has finished)."""
+
+    @abc.abstractmethod
+    async def stats(self) -> list[EngineStats]:
+        """Per-model queue depth, running count, throughput and step time."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Abort everything in flight and stop the engine threads."""
