@@ -6,6 +6,10 @@ HOST ?= 127.0.0.1
 # cpu | cuda | metal; auto picks metal on macOS and cpu on Linux.
 MLX_BACKEND ?= auto
 PYTEST_ARGS ?=
+# The gateway tests run a second time on PostgreSQL (row locks and concurrency on the production
+# database). Set TEST_POSTGRES_URL= (empty) to skip that pass where no PostgreSQL runs.
+TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/orchard
+GATEWAY_TESTS := tests/accounts tests/inference/test_usage.py tests/inference/test_api_limits.py
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.orchard-installed
@@ -46,6 +50,9 @@ serve: setup
 test: setup
 	@sh scripts/fetch_test_tokenizers.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+ifneq ($(TEST_POSTGRES_URL),)
+	DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest $(PYTEST_ARGS) $(GATEWAY_TESTS)
+endif
 
 lint: setup
 	$(PY) -m ruff check .

@@ -1,0 +1,116 @@
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class Team(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        OWNER = "owner", "Owner"
+        MEMBER = "member", "Member"
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
+    role = models.CharField(max_length=10, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["team", "user"], name="unique_membership")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.team} ({self.role})"
+
+
+class ApiKeyQuerySet(models.QuerySet):
+    def active(self) -> "ApiKeyQuerySet":
+        now = timezone.now()
+        return self.filter(revoked_at__isnull=True).filter(
+            models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=now)
+        )
+
+
+class ApiKey(models.Model):
+    """An API key. Only `prefix` (for lookup and display) and a SHA-256 `digest` are stored; the
+    raw key is shown once at creation. Limits left empty mean unlimited."""
+
+    prefix = models.CharField(max_length=24, unique=True, editable=False)
+    digest = models.CharField(max_length=64, editable=False)
+    name = models.CharField("label", max_length=100, blank=True)
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="api_keys")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="api_keys"
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    # Model names, not foreign keys: accounts does not depend on inference (ARCHITECTURE.md).
+    all_models = models.BooleanField(default=True)
+    allowed_models = models.JSONField(default=list, blank=True)
+    rpm = models.PositiveIntegerField("requests per minute", null=True, blank=True)
+    tpm = models.PositiveIntegerField("tokens per minute", null=True, blank=True)
+    max_parallel = models.PositiveIntegerField("max parallel requests", null=True, blank=True)
+    budget_tokens = models.PositiveBigIntegerField("monthly token budget", null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = ApiKeyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name or self.user})"
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
+    def is_active(self) -> bool:
+        return not self.is_revoked and not self.is_expired
+
+    def allows_model(self, model_name: str) -> bool:
+        return self.all_models or model_name in self.allowed_models
+
+
+class ApiKeyMonthlyUsage(models.Model):
+    """Tokens (prompt + completion) a key used in a calendar month (UTC). Written by the usage
+    roll-up in the same transaction as the usage row, so the budget limiter can seed itself from
+    accounts' own data (accounts does not import inference)."""
+
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="monthly_usage")
+    month = models.DateField(help_text="First day of the month.")
+    tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-month"]
+        verbose_name_plural = "API key monthly usage"
+        constraints = [
+            models.UniqueConstraint(fields=["api_key", "month"], name="unique_key_month")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.api_key_id} {self.month:%Y-%m}: {self.tokens}"

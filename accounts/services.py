@@ -1,0 +1,116 @@
+"""Writes for teams, memberships and API keys."""
+
+from datetime import date, datetime
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from accounts import keys
+from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
+
+
+@transaction.atomic
+def team_membership_ensure(
+    *, user: AbstractBaseUser, team_name: str, role: str | None = None
+) -> tuple[Team, Membership]:
+    """The team (created if missing) and the user's membership in it. The creator of a new team
+    becomes its owner."""
+    team, created = Team.objects.get_or_create(name=team_name)
+    default_role = Membership.Role.OWNER if created else Membership.Role.MEMBER
+    membership, _ = Membership.objects.get_or_create(
+        team=team, user=user, defaults={"role": role or default_role}
+    )
+    return team, membership
+
+
+def user_get_or_create(*, username: str) -> AbstractBaseUser:
+    user, _ = get_user_model().objects.get_or_create(username=username)
+    return user
+
+
+@transaction.atomic
+def api_key_create(
+    *,
+    user: AbstractBaseUser,
+    team: Team,
+    name: str = "",
+    models: list[str] | None = None,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    max_parallel: int | None = None,
+    budget_tokens: int | None = None,
+    expires_at: datetime | None = None,
+    created_by: AbstractBaseUser | None = None,
+) -> tuple[ApiKey, str]:
+    """Create a key; returns it with the raw key, which is not stored and cannot be shown again.
+    `models=None` allows every model."""
+    raw_key = keys.generate_key()
+    api_key = ApiKey.objects.create(
+        prefix=keys.lookup_prefix(raw_key),
+        digest=keys.digest(raw_key),
+        name=name,
+        team=team,
+        user=user,
+        created_by=created_by,
+        all_models=models is None,
+        allowed_models=sorted(set(models or [])),
+        rpm=rpm,
+        tpm=tpm,
+        max_parallel=max_parallel,
+        budget_tokens=budget_tokens,
+        expires_at=expires_at,
+    )
+    return api_key, raw_key
+
+
+def api_key_find(*, key_or_prefix: str) -> ApiKey:
+    """The key named by a raw key or its displayed prefix; raises ApiKey.DoesNotExist."""
+    prefix = keys.lookup_prefix(key_or_prefix.strip().rstrip("…"))
+    api_key = ApiKey.objects.get(prefix=prefix)
+    if len(key_or_prefix.strip()) > keys.LOOKUP_PREFIX_LENGTH and not keys.digest_matches(
+        key_or_prefix.strip(), api_key.digest
+    ):
+        raise ApiKey.DoesNotExist("No key matches.")
+    return api_key
+
+
+def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
+    """Revoke the key (a no-op if it already is). Authentication reads the key from the database
+    on every request, so the next request with it gets 401 in every process."""
+    ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    api_key.refresh_from_db(fields=["revoked_at"])
+    return api_key
+
+
+@transaction.atomic
+def api_key_rotate(
+    *, api_key: ApiKey, created_by: AbstractBaseUser | None = None
+) -> tuple[ApiKey, str]:
+    """A new key with the old one's team, owner, label, models, limits and expiry; the old key is
+    revoked in the same transaction. Returns the new key and its raw value."""
+    new_key, raw_key = api_key_create(
+        user=api_key.user,
+        team=api_key.team,
+        name=api_key.name,
+        models=None if api_key.all_models else list(api_key.allowed_models),
+        rpm=api_key.rpm,
+        tpm=api_key.tpm,
+        max_parallel=api_key.max_parallel,
+        budget_tokens=api_key.budget_tokens,
+        expires_at=api_key.expires_at,
+        created_by=created_by,
+    )
+    api_key_revoke(api_key=api_key)
+    return new_key, raw_key
+
+
+def api_key_monthly_usage_add(*, api_key_id: int, month: date, tokens: int) -> None:
+    """Add tokens to the key's month. Call inside the transaction that records the usage, so the
+    budget seed and the usage rows never disagree."""
+    row, _ = ApiKeyMonthlyUsage.objects.select_for_update().get_or_create(
+        api_key_id=api_key_id, month=month
+    )
+    ApiKeyMonthlyUsage.objects.filter(pk=row.pk).update(tokens=F("tokens") + tokens)

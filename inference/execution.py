@@ -1,0 +1,262 @@
+"""One execution path for every generating /v1 request, streamed or not.
+
+`Execution.start()` admits the request (limits), opens its usage row and starts the engine streams;
+errors up to the first output become proper HTTP errors. `outputs()` yields engine outputs in
+arrival order; a non-streamed response is just this stream aggregated. Whatever happens (finished,
+client gone, engine error, a cancellation before the body was ever read), `finish()` runs exactly
+once: it aborts what is still running in the engine, releases the limiter reservation and finishes
+the usage row with the tokens the client actually received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from asgiref.sync import sync_to_async
+
+from accounts import limits
+from accounts.models import ApiKey
+from engine.protocol import (
+    EngineError,
+    EngineOverloadedError,
+    GenerationOutput,
+    GenerationRequest,
+    InvalidRequestError,
+)
+from inference.engine_access import get_engine_client
+from inference.errors import APIError
+from inference.models import UsageRecord
+from inference.usage import usage_finish, usage_open, usage_reject
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceOutput:
+    """An engine output tagged with the response-level choice index."""
+
+    choice: int
+    output: GenerationOutput
+
+
+@dataclass
+class Execution:
+    api_key: ApiKey
+    model: str
+    endpoint: str
+    request_id: str
+    requests: list[GenerationRequest]
+    headers: dict[str, str] = field(default_factory=dict)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_completion_tokens: int = 0
+    _admission: limits.Admission | None = None
+    _usage_id: int | None = None
+    _streams: list[AsyncIterator[GenerationOutput]] = field(default_factory=list)
+    _primed: list[GenerationOutput | None] = field(default_factory=list)
+    _started_at: float = field(default_factory=time.monotonic)
+    _first_token_ms: int | None = None
+    _finished: bool = False
+    _finish_task: asyncio.Task | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(
+            len(r.prompt_token_ids) + (r.sampling.max_tokens or 0) * r.sampling.n
+            for r in self.requests
+        )
+
+    @property
+    def choices_per_request(self) -> int:
+        return self.requests[0].sampling.n
+
+    async def start(self) -> None:
+        try:
+            self._admission = await limits.admit(self.api_key, reserved_tokens=self.reserved_tokens)
+        except limits.RateLimitExceeded as exc:
+            await sync_to_async(usage_reject)(
+                request_id=self.request_id,
+                api_key=self.api_key,
+                model=self.model,
+                endpoint=self.endpoint,
+                error_code=exc.code,
+            )
+            raise APIError(429, exc.message, code=exc.code, headers=exc.headers) from None
+        self.headers = dict(self._admission.headers)
+        try:
+            record = await sync_to_async(usage_open)(
+                request_id=self.request_id,
+                api_key=self.api_key,
+                model=self.model,
+                endpoint=self.endpoint,
+                reserved_tokens=self.reserved_tokens,
+            )
+        except BaseException:
+            await asyncio.shield(self._admission.release(used_tokens=0))
+            raise
+        self._usage_id = record.pk
+        # If the request task ends by any route that skips outputs() (a cancellation between
+        # returning the response and reading its body, say), finish() still runs.
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(self._on_request_task_done)
+        try:
+            await self._start_streams()
+        except BaseException as exc:
+            status = (
+                UsageRecord.Status.CANCELLED
+                if isinstance(exc, asyncio.CancelledError)
+                else UsageRecord.Status.FAILED
+            )
+            await self.finish(status, error_code=getattr(exc, "code", "") or "")
+            if isinstance(exc, InvalidRequestError):
+                raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+            if isinstance(exc, EngineOverloadedError):
+                raise APIError(
+                    503,
+                    "The model is overloaded with requests; please retry shortly.",
+                    code=exc.code,
+                ) from None
+            if isinstance(exc, EngineError):
+                raise APIError(500, f"Engine error: {exc}", code=exc.code) from None
+            raise
+
+    async def _start_streams(self) -> None:
+        client = get_engine_client()
+        for request in self.requests:
+            stream = aiter(client.generate(request))
+            self._streams.append(stream)
+            # Validation and overload surface before the first output, so pulling it here turns
+            # them into HTTP errors before any header is sent.
+            first = await anext(stream)
+            self._primed.append(first)
+
+    async def outputs(self) -> AsyncIterator[ChoiceOutput]:
+        status, error_code = UsageRecord.Status.CANCELLED, "client_disconnected"
+        try:
+            async for index, output in self._merged():
+                self._account(output)
+                yield ChoiceOutput(index * self.choices_per_request + output.index, output)
+                if output.finish_reason == "error":
+                    status, error_code = UsageRecord.Status.FAILED, "engine_error"
+            if status != UsageRecord.Status.FAILED:
+                status, error_code = UsageRecord.Status.COMPLETED, ""
+        except EngineError as exc:
+            status, error_code = UsageRecord.Status.FAILED, exc.code
+            raise
+        except Exception:
+            status, error_code = UsageRecord.Status.FAILED, "server_error"
+            raise
+        finally:
+            await self.finish(status, error_code=error_code)
+
+    def _account(self, output: GenerationOutput) -> None:
+        if output.token_ids and self._first_token_ms is None:
+            self._first_token_ms = int((time.monotonic() - self._started_at) * 1000)
+        self.num_completion_tokens += len(output.token_ids)
+
+    async def _merged(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
+        counted: set[int] = set()
+
+        def note_prompt(index: int, output: GenerationOutput) -> None:
+            # n choices share one prompt: its cached tokens count once, as OpenAI counts them.
+            if index not in counted and output.num_prompt_tokens:
+                counted.add(index)
+                self.num_cached_tokens += output.num_cached_tokens
+
+        if len(self._streams) == 1:
+            first = self._primed[0]
+            if first is not None:
+                note_prompt(0, first)
+                yield 0, first
+            async for output in self._streams[0]:
+                note_prompt(0, output)
+                yield 0, output
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int) -> None:
+            try:
+                first = self._primed[index]
+                if first is not None:
+                    await queue.put((index, first))
+                async for output in self._streams[index]:
+                    await queue.put((index, output))
+            except BaseException as exc:  # re-raised in the consumer below
+                await queue.put((index, exc))
+                return
+            await queue.put((index, done))
+
+        pumps = [asyncio.create_task(pump(i)) for i in range(len(self._streams))]
+        remaining = len(pumps)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    note_prompt(index, item)
+                    yield index, item
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    def _on_request_task_done(self, _task: asyncio.Task) -> None:
+        if not self._finished:
+            self._finish_task = asyncio.ensure_future(
+                self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected")
+            )
+
+    async def finish(self, status: str, *, error_code: str = "") -> None:
+        if self._finished:
+            return
+        self._finished = True
+        # Shielded: a second cancellation of the request task must not skip the accounting.
+        await asyncio.shield(self._finish(status, error_code))
+
+    async def _finish(self, status: str, error_code: str) -> None:
+        client = get_engine_client()
+        for request in self.requests:
+            try:
+                await client.abort(request.request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request.request_id)
+        for stream in self._streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    logger.exception("closing an engine stream failed")
+        if self._admission is not None:
+            await self._admission.release(
+                used_tokens=self.num_prompt_tokens + self.num_completion_tokens
+            )
+        if self._usage_id is not None:
+            await sync_to_async(usage_finish)(
+                record_id=self._usage_id,
+                status=status,
+                prompt_tokens=self.num_prompt_tokens,
+                cached_tokens=self.num_cached_tokens,
+                completion_tokens=self.num_completion_tokens,
+                time_to_first_token_ms=self._first_token_ms,
+                error_code=error_code,
+            )
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }

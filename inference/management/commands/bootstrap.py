@@ -1,0 +1,62 @@
+"""First-run setup for `make serve`: import the default model, create an admin user and an API
+key (each printed once, on the run that creates them), and close usage rows a crash left open."""
+
+import secrets
+from pathlib import Path
+
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+
+from accounts.services import api_key_create, team_membership_ensure
+from engine.gguf import default_gguf_path
+from inference.models import ModelEntry
+from inference.usage import usage_close_stale
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class Command(BaseCommand):
+    help = "Idempotent first-run setup: default model, admin user, first API key."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+
+    def handle(self, *args, **options):
+        self.base_url = options["base_url"].rstrip("/")
+        closed = usage_close_stale()
+        if closed:
+            self.stdout.write(f"Closed {closed} usage row(s) left open by an earlier crash.")
+        self._default_model()
+        self._admin_and_key()
+
+    def _default_model(self) -> None:
+        entry = ModelEntry.objects.filter(name=DEFAULT_MODEL).first()
+        if entry and (Path(entry.path) / "config.json").exists():
+            return
+        self.stdout.write(f"Importing the default model {DEFAULT_MODEL} (once)...")
+        call_command(
+            "import_gguf",
+            str(default_gguf_path()),
+            DEFAULT_MODEL,
+            "--dtype",
+            "float32",
+            "--default",
+            "--force",
+            stdout=self.stdout,
+        )
+
+    def _admin_and_key(self) -> None:
+        User = get_user_model()
+        if User.objects.filter(is_superuser=True).exists():
+            return
+        password = secrets.token_urlsafe(12)
+        admin = User.objects.create_superuser(username="admin", email="", password=password)
+        team, _ = team_membership_ensure(user=admin, team_name="default")
+        _, raw_key = api_key_create(user=admin, team=team, name="first key", created_by=admin)
+        line = "=" * 72
+        self.stdout.write(
+            f"\n{line}\nCreated once; store these now, they are not shown again:\n"
+            f"  admin login:  admin / {password}   ({self.base_url}/admin/)\n"
+            f"  API key:      {raw_key}   (OpenAI base_url: {self.base_url}/v1)\n{line}\n"
+        )

@@ -1,0 +1,53 @@
+"""Everything under /v1 answers in OpenAI's shape: an `x-request-id` on every response, and JSON
+error bodies instead of Django's HTML pages, even for unknown paths and unexpected exceptions."""
+
+import logging
+import uuid
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+from inference.errors import APIError, error_response
+
+logger = logging.getLogger(__name__)
+API_PREFIX = "/v1/"
+
+
+class OpenAIApiMiddleware:
+    async_capable = True
+    sync_capable = False
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        if iscoroutinefunction(self.get_response):
+            markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponse:
+        if not request.path.startswith(API_PREFIX):
+            return await self.get_response(request)
+        request.orchard_request_id = f"req_{uuid.uuid4().hex}"
+        response = await self.get_response(request)
+        if response.status_code >= 400 and not isinstance(response, JsonResponse):
+            response = error_response(_error_for_status(response.status_code))
+        response["x-request-id"] = request.orchard_request_id
+        return response
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        if not request.path.startswith(API_PREFIX):
+            return None
+        if isinstance(exception, APIError):
+            return error_response(exception)
+        logger.exception("Unhandled error in %s", request.path)
+        return error_response(APIError(500, "The server had an error processing your request."))
+
+
+def _error_for_status(status: int) -> APIError:
+    if status == 404:
+        return APIError(404, "Unknown request URL. Please check the URL and method.")
+    if status == 405:
+        return APIError(405, "Method not allowed for this URL.")
+    if status == 413:
+        return APIError(413, "Request body too large.")
+    if status < 500:
+        return APIError(status, "Bad request.")
+    return APIError(500, "The server had an error processing your request.")

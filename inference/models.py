@@ -1,0 +1,114 @@
+from django.conf import settings
+from django.db import models
+
+
+class ModelEntry(models.Model):
+    """A model the registry serves: an mlx-lm model folder and how to run it."""
+
+    class Engine(models.TextChoices):
+        BATCHED = "batched", "Batched (continuous batching)"
+        SIMPLE = "simple", "Simple (serialized)"
+
+    name = models.CharField(max_length=100, unique=True)
+    path = models.CharField(max_length=500, help_text="mlx-lm model folder")
+    engine = models.CharField(max_length=10, choices=Engine.choices, default=Engine.BATCHED)
+    enabled = models.BooleanField(default=True)
+    is_default = models.BooleanField(default=False)
+    tool_parser = models.CharField(max_length=50, blank=True)
+    reasoning_parser = models.CharField(max_length=50, blank=True)
+    context_length = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Empty: the model's own maximum."
+    )
+    default_sampling = models.JSONField(
+        default=dict, blank=True, help_text='Defaults for omitted fields, e.g. {"temperature": 0.7}'
+    )
+    max_num_seqs = models.PositiveIntegerField(default=16)
+    max_num_batched_tokens = models.PositiveIntegerField(default=2048)
+    max_waiting = models.PositiveIntegerField(default=256)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "model"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["is_default"],
+                condition=models.Q(is_default=True),
+                name="one_default_model",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class UsageRecord(models.Model):
+    """One row per API request, opened at admission and finished exactly once."""
+
+    class Status(models.TextChoices):
+        IN_PROGRESS = "in_progress"
+        COMPLETED = "completed"
+        CANCELLED = "cancelled"
+        FAILED = "failed"
+        REJECTED = "rejected"
+
+    request_id = models.CharField(max_length=64, unique=True)
+    api_key = models.ForeignKey(
+        "accounts.ApiKey", on_delete=models.PROTECT, related_name="usage_records"
+    )
+    team = models.ForeignKey("accounts.Team", on_delete=models.PROTECT, related_name="+")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
+    model = models.CharField(max_length=100)
+    endpoint = models.CharField(max_length=50)
+    status = models.CharField(max_length=12, choices=Status.choices, default=Status.IN_PROGRESS)
+    error_code = models.CharField(max_length=50, blank=True)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    reserved_tokens = models.PositiveIntegerField(default=0)
+    time_to_first_token_ms = models.PositiveIntegerField(null=True, blank=True)
+    duration_ms = models.PositiveIntegerField(null=True, blank=True)
+    started_at = models.DateTimeField(db_index=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [
+            models.Index(fields=["team", "started_at"]),
+            models.Index(fields=["api_key", "started_at"]),
+            models.Index(fields=["status"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.model} {self.status}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class DailyUsage(models.Model):
+    """Roll-up of finished usage rows by day × team × key × model; reports read these."""
+
+    date = models.DateField()
+    team = models.ForeignKey("accounts.Team", on_delete=models.PROTECT, related_name="+")
+    api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.PROTECT, related_name="+")
+    model = models.CharField(max_length=100)
+    num_requests = models.PositiveIntegerField(default=0)
+    num_completed = models.PositiveIntegerField(default=0)
+    num_cancelled = models.PositiveIntegerField(default=0)
+    num_failed = models.PositiveIntegerField(default=0)
+    num_rejected = models.PositiveIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-date"]
+        verbose_name_plural = "daily usage"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["date", "team", "api_key", "model"], name="unique_daily_usage"
+            )
+        ]

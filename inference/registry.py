@@ -1,0 +1,74 @@
+"""The model registry: selectors and services over ModelEntry."""
+
+from pathlib import Path
+
+from django.db import transaction
+
+from accounts.models import ApiKey
+from engine.protocol import ModelSpec
+from inference.models import ModelEntry
+
+
+@transaction.atomic
+def model_register(
+    *,
+    name: str,
+    path: str | Path,
+    engine: str = ModelEntry.Engine.BATCHED,
+    tool_parser: str = "",
+    reasoning_parser: str = "",
+    make_default: bool = False,
+) -> ModelEntry:
+    """Add or update a registry entry for an mlx-lm model folder."""
+    folder = Path(path).expanduser().resolve()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} is not an mlx-lm model folder (no config.json).")
+    if engine not in ModelEntry.Engine.values:
+        raise ValueError(f"Unknown engine {engine!r}; choose from {', '.join(ModelEntry.Engine)}.")
+    entry, _ = ModelEntry.objects.update_or_create(
+        name=name,
+        defaults={
+            "path": str(folder),
+            "engine": engine,
+            "tool_parser": tool_parser,
+            "reasoning_parser": reasoning_parser,
+        },
+    )
+    if make_default or not ModelEntry.objects.filter(is_default=True).exists():
+        model_set_default(entry=entry)
+    return entry
+
+
+@transaction.atomic
+def model_set_default(*, entry: ModelEntry) -> None:
+    ModelEntry.objects.filter(is_default=True).exclude(pk=entry.pk).update(is_default=False)
+    if not entry.is_default:
+        entry.is_default = True
+        entry.save(update_fields=["is_default"])
+
+
+def model_spec(entry: ModelEntry) -> ModelSpec:
+    return ModelSpec(
+        name=entry.name,
+        path=entry.path,
+        engine=entry.engine,
+        context_length=entry.context_length,
+        max_num_seqs=entry.max_num_seqs,
+        max_num_batched_tokens=entry.max_num_batched_tokens,
+        max_waiting=entry.max_waiting,
+    )
+
+
+def models_for_key(api_key: ApiKey) -> list[ModelEntry]:
+    entries = ModelEntry.objects.filter(enabled=True)
+    if not api_key.all_models:
+        entries = entries.filter(name__in=api_key.allowed_models)
+    return list(entries)
+
+
+def model_for_key(api_key: ApiKey, name: str) -> ModelEntry | None:
+    """The enabled entry called `name` if this key may use it; None otherwise (the API answers
+    404 either way, so a key cannot probe for models it may not use)."""
+    if not api_key.allows_model(name):
+        return None
+    return ModelEntry.objects.filter(enabled=True, name=name).first()

@@ -1,0 +1,221 @@
+"""Input serializers for the /v1 endpoints. Unknown fields are ignored, as OpenAI does."""
+
+import json
+from typing import Any
+
+from rest_framework import serializers
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class StopField(serializers.Field):
+    default_error_messages = {"invalid": "stop must be a string or a list of up to 4 strings."}
+
+    def to_internal_value(self, data: Any) -> tuple[str, ...]:
+        if data is None:
+            return ()
+        if isinstance(data, str):
+            return (data,)
+        if isinstance(data, list) and len(data) <= 4 and all(isinstance(s, str) for s in data):
+            return tuple(data)
+        self.fail("invalid")
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """JSON booleans only: OpenAI rejects "yes" for a boolean."""
+
+    def to_internal_value(self, data: Any) -> bool:
+        if isinstance(data, bool):
+            return data
+        self.fail("invalid", input=data)
+
+
+class SamplingSerializer(serializers.Serializer):
+    """Fields shared by chat completions and completions; ranges mirror OpenAI's."""
+
+    model = serializers.CharField(max_length=200)
+    temperature = serializers.FloatField(min_value=0, max_value=2, required=False, allow_null=True)
+    top_p = serializers.FloatField(min_value=0, max_value=1, required=False, allow_null=True)
+    top_k = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    min_p = serializers.FloatField(min_value=0, max_value=1, required=False, allow_null=True)
+    presence_penalty = serializers.FloatField(
+        min_value=-2, max_value=2, required=False, allow_null=True
+    )
+    frequency_penalty = serializers.FloatField(
+        min_value=-2, max_value=2, required=False, allow_null=True
+    )
+    repetition_penalty = serializers.FloatField(
+        min_value=0.01, max_value=10, required=False, allow_null=True
+    )
+    logit_bias = serializers.DictField(
+        child=serializers.FloatField(min_value=-100, max_value=100), required=False, allow_null=True
+    )
+    seed = serializers.IntegerField(required=False, allow_null=True)
+    n = serializers.IntegerField(min_value=1, max_value=16, required=False, allow_null=True)
+    stop = StopField(required=False, allow_null=True)
+    stop_token_ids = serializers.ListField(
+        child=serializers.IntegerField(min_value=0), required=False, allow_null=True
+    )
+    max_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    min_tokens = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    ignore_eos = StrictBooleanField(required=False, allow_null=True)
+    stream = StrictBooleanField(required=False, allow_null=True)
+    stream_options = serializers.DictField(required=False, allow_null=True)
+    user = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+
+    def validate_logit_bias(self, value: dict | None) -> dict[int, float]:
+        try:
+            return {int(k): float(v) for k, v in (value or {}).items()}
+        except ValueError:
+            raise serializers.ValidationError("logit_bias keys must be token ids.") from None
+
+    def validate_stream_options(self, value: dict | None) -> dict:
+        value = value or {}
+        include = value.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise serializers.ValidationError("include_usage must be a boolean.")
+        return value
+
+
+class ChatCompletionSerializer(SamplingSerializer):
+    messages = serializers.ListField(child=serializers.JSONField(), allow_empty=False)
+    max_completion_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    logprobs = StrictBooleanField(required=False, allow_null=True)
+    top_logprobs = serializers.IntegerField(
+        min_value=0, max_value=20, required=False, allow_null=True
+    )
+    response_format = serializers.DictField(required=False, allow_null=True)
+    tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True)
+    tool_choice = serializers.JSONField(required=False, allow_null=True)
+    chat_template_kwargs = serializers.DictField(required=False, allow_null=True)
+
+    def validate_response_format(self, value: dict | None) -> dict | None:
+        if value is None:
+            return None
+        kind = value.get("type")
+        if kind not in ("text", "json_object"):
+            raise serializers.ValidationError(
+                "response_format.type must be 'text' or 'json_object'."
+            )
+        return value
+
+    def validate_tools(self, value: list | None) -> list | None:
+        for index, tool in enumerate(value or []):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict):
+                raise serializers.ValidationError(f"tools[{index}] must be a function tool.")
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise serializers.ValidationError(f"tools[{index}].function.name is required.")
+        return value
+
+
+class CompletionSerializer(SamplingSerializer):
+    prompt = serializers.JSONField()
+    echo = StrictBooleanField(required=False, allow_null=True)
+    logprobs = serializers.IntegerField(min_value=0, max_value=5, required=False, allow_null=True)
+    suffix = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+    best_of = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+
+    def validate_prompt(self, value: Any) -> list[str | list[int]]:
+        """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value):
+                return list(value)
+            if all(_is_token_id(t) for t in value):
+                return [list(value)]
+            if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+                return [list(p) for p in value]
+        raise serializers.ValidationError(
+            "prompt must be a string, a list of strings, or token ids (a list of integers or a "
+            "list of such lists), and not empty."
+        )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class MessageError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    return [normalize_message(message, index) for index, message in enumerate(messages)]
+
+
+def normalize_message(message: Any, index: int) -> dict[str, Any]:
+    """An OpenAI chat message as the chat template expects it: text content as one string,
+    `developer` as `system`, tool-call arguments as objects."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise MessageError(f"{where} must be an object.", where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise MessageError(
+            f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}.", f"{where}.role"
+        )
+    content = _text_content(message.get("content"), where)
+    normalized: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    tool_calls = message.get("tool_calls")
+    if role == "assistant" and tool_calls:
+        normalized["tool_calls"] = _tool_calls(tool_calls, where)
+    elif content is None:
+        raise MessageError(f"{where}.content is required.", f"{where}.content")
+    normalized["content"] = content if content is not None else ""
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise MessageError(f"{where}.tool_call_id is required.", f"{where}.tool_call_id")
+        normalized["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        normalized["name"] = message["name"]
+    return normalized
+
+
+def _text_content(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise MessageError(f"{where}.content must be a string or a list of parts.", where)
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise MessageError(
+                f"{where}.content[{index}]: only text content parts are supported by this "
+                f"server; got type {kind!r}.",
+                f"{where}.content[{index}].type",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(tool_calls, list):
+        raise MessageError(f"{where}.tool_calls must be a list.", f"{where}.tool_calls")
+    calls = []
+    for index, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise MessageError(
+                f"{where}.tool_calls[{index}] needs function.name.", f"{where}.tool_calls"
+            )
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            # Templates (Qwen, Llama) render arguments with `tojson`; give them the object.
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError:
+                pass
+        calls.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return calls

@@ -1,0 +1,197 @@
+"""Usage accounting: a row opened at admission, finished exactly once, rolled up daily (and into
+the key's month, which the budget limiter seeds from) in the same transaction.
+
+A row left in progress by a crashed process is closed by `usage_close_stale` as failed with
+ERROR_SERVER_RESTARTED. In a deployment of several processes a starting process cannot tell a
+dead process's rows from a live one's, so a real finish arriving later still wins: it replaces
+the sweep's verdict and corrects the roll-ups. Either way the row is finished once and counted
+once.
+"""
+
+import datetime
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models import F, QuerySet, Sum
+from django.utils import timezone
+
+from accounts.models import ApiKey
+from accounts.selectors import month_start, teams_visible_to
+from accounts.services import api_key_monthly_usage_add
+from inference.models import DailyUsage, UsageRecord
+
+ERROR_SERVER_RESTARTED = "server_restarted"
+
+_STATUS_COUNTERS = {
+    UsageRecord.Status.COMPLETED: "num_completed",
+    UsageRecord.Status.CANCELLED: "num_cancelled",
+    UsageRecord.Status.FAILED: "num_failed",
+    UsageRecord.Status.REJECTED: "num_rejected",
+}
+
+
+def usage_open(
+    *, request_id: str, api_key: ApiKey, model: str, endpoint: str, reserved_tokens: int = 0
+) -> UsageRecord:
+    return UsageRecord.objects.create(
+        request_id=request_id,
+        api_key=api_key,
+        team_id=api_key.team_id,
+        user_id=api_key.user_id,
+        model=model,
+        endpoint=endpoint,
+        reserved_tokens=reserved_tokens,
+        started_at=timezone.now(),
+    )
+
+
+@transaction.atomic
+def usage_reject(
+    *, request_id: str, api_key: ApiKey, model: str, endpoint: str, error_code: str
+) -> UsageRecord:
+    """A finished row for a request a limit refused at admission (no tokens)."""
+    now = timezone.now()
+    record = UsageRecord.objects.create(
+        request_id=request_id,
+        api_key=api_key,
+        team_id=api_key.team_id,
+        user_id=api_key.user_id,
+        model=model,
+        endpoint=endpoint,
+        status=UsageRecord.Status.REJECTED,
+        error_code=error_code,
+        duration_ms=0,
+        started_at=now,
+        finished_at=now,
+    )
+    _roll_up(record, sign=1)
+    return record
+
+
+@transaction.atomic
+def usage_finish(
+    *,
+    record_id: int,
+    status: str,
+    prompt_tokens: int = 0,
+    cached_tokens: int = 0,
+    completion_tokens: int = 0,
+    time_to_first_token_ms: int | None = None,
+    error_code: str = "",
+) -> bool:
+    """Finish an open row and roll it up, in one transaction. Returns False (and changes nothing)
+    when the row was already finished, so a retry or a racing finish can never count twice. A row
+    closed by the start-up sweep is the exception: the real finish replaces the sweep's."""
+    if status not in _STATUS_COUNTERS:
+        raise ValueError(f"Cannot finish a usage row as {status!r}.")
+    record = UsageRecord.objects.select_for_update().get(pk=record_id)
+    swept = (
+        record.status == UsageRecord.Status.FAILED
+        and record.error_code == ERROR_SERVER_RESTARTED
+    )
+    if record.status != UsageRecord.Status.IN_PROGRESS and not swept:
+        return False
+    if swept:
+        _roll_up(record, sign=-1)
+    now = timezone.now()
+    record.status = status
+    record.prompt_tokens = prompt_tokens
+    record.cached_tokens = cached_tokens
+    record.completion_tokens = completion_tokens
+    record.time_to_first_token_ms = time_to_first_token_ms
+    record.duration_ms = int((now - record.started_at).total_seconds() * 1000)
+    record.error_code = error_code
+    record.finished_at = now
+    record.save()
+    _roll_up(record, sign=1)
+    return True
+
+
+def _roll_up(record: UsageRecord, *, sign: int) -> None:
+    day: datetime.date = record.started_at.date()
+    daily, _ = DailyUsage.objects.select_for_update().get_or_create(
+        date=day, team_id=record.team_id, api_key_id=record.api_key_id, model=record.model
+    )
+    counter = _STATUS_COUNTERS[record.status]
+    DailyUsage.objects.filter(pk=daily.pk).update(
+        num_requests=F("num_requests") + sign,
+        prompt_tokens=F("prompt_tokens") + sign * record.prompt_tokens,
+        cached_tokens=F("cached_tokens") + sign * record.cached_tokens,
+        completion_tokens=F("completion_tokens") + sign * record.completion_tokens,
+        **{counter: F(counter) + sign},
+    )
+    tokens = record.prompt_tokens + record.completion_tokens
+    if tokens:
+        api_key_monthly_usage_add(
+            api_key_id=record.api_key_id, month=month_start(day), tokens=sign * tokens
+        )
+
+
+def usage_close_stale(*, older_than: datetime.timedelta = datetime.timedelta(0)) -> int:
+    """Finish rows left in progress (by a crashed process) as failed; run at start-up. Several
+    processes may sweep at once: each row is taken under a row lock, rows another sweeper or a
+    live finish holds are skipped, and a row is closed at most once. Returns how many it closed."""
+    cutoff = timezone.now() - older_than
+    stale = list(
+        UsageRecord.objects.filter(
+            status=UsageRecord.Status.IN_PROGRESS, started_at__lte=cutoff
+        ).values_list("pk", flat=True)
+    )
+    closed = 0
+    for pk in stale:
+        with transaction.atomic():
+            record = (
+                UsageRecord.objects.select_for_update(skip_locked=True)
+                .filter(pk=pk, status=UsageRecord.Status.IN_PROGRESS)
+                .first()
+            )
+            if record is None:
+                continue
+            now = timezone.now()
+            record.status = UsageRecord.Status.FAILED
+            record.error_code = ERROR_SERVER_RESTARTED
+            record.duration_ms = int((now - record.started_at).total_seconds() * 1000)
+            record.finished_at = now
+            record.save()
+            _roll_up(record, sign=1)
+            closed += 1
+    return closed
+
+
+# Reads. Any member of a team sees all of the team's usage (accounts.selectors has the rules).
+
+
+def usage_records_visible_to(*, user: AbstractBaseUser) -> QuerySet[UsageRecord]:
+    if user.is_superuser:
+        return UsageRecord.objects.all()
+    return UsageRecord.objects.filter(team__in=teams_visible_to(user=user))
+
+
+def daily_usage_visible_to(*, user: AbstractBaseUser) -> QuerySet[DailyUsage]:
+    if user.is_superuser:
+        return DailyUsage.objects.all()
+    return DailyUsage.objects.filter(team__in=teams_visible_to(user=user))
+
+
+_TOTALS = {
+    "num_requests": Sum("num_requests"),
+    "num_rejected": Sum("num_rejected"),
+    "prompt_tokens": Sum("prompt_tokens"),
+    "cached_tokens": Sum("cached_tokens"),
+    "completion_tokens": Sum("completion_tokens"),
+}
+
+
+def usage_totals(
+    *, daily: QuerySet[DailyUsage], since: datetime.date, until: datetime.date
+) -> dict[str, list[dict]]:
+    """Per-team and per-key totals over [since, until] from the daily roll-ups (never from the
+    rows, which may number millions)."""
+    period = daily.filter(date__gte=since, date__lte=until)
+    by_team = period.values("team_id", "team__name").annotate(**_TOTALS).order_by("team__name")
+    by_key = (
+        period.values("api_key_id", "api_key__prefix", "api_key__name", "team__name")
+        .annotate(**_TOTALS)
+        .order_by("team__name", "api_key__prefix")
+    )
+    return {"teams": list(by_team), "keys": list(by_key)}

@@ -1,0 +1,92 @@
+"""Suite-wide fixtures: a live daphne server (the real `config.asgi` in a subprocess, sharing the
+test database) and registered models for the API tests."""
+
+import engine  # noqa: F401  (OpenBLAS before anything imports mlx)
+
+# isort: split
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from tests.fixtures.tiny_models import build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _server_env() -> dict[str, str]:
+    from django.db import connection
+
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "PYTHONUNBUFFERED": "1"}
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        env["ORCHARD_SQLITE_PATH"] = str(db["NAME"])
+        env.pop("DATABASE_URL", None)
+    else:
+        env["DATABASE_URL"] = (
+            f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:"
+            f"{db['PORT'] or 5432}/{db['NAME']}"
+        )
+    return env
+
+
+@pytest.fixture(scope="session")
+def live_server_url(django_db_setup, tmp_path_factory):
+    """A real daphne serving config.asgi; the engine runs inside it, as in `make serve`."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("daphne") / "server.log"
+    log = open(log_path, "wb")  # noqa: SIM115 (kept open for the server's lifetime)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
+        cwd=ROOT,
+        env=_server_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"daphne exited early:\n{log_path.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"daphne did not start:\n{log_path.read_text()}") from None
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """A random-weight qwen3-architecture model with the real Qwen3 tokenizer and template."""
+    return build_tiny_model(model_type="qwen3", tokenizer="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The default model, converted from its GGUF once per cache (float32)."""
+    from engine.gguf import convert_gguf, default_gguf_path
+
+    folder = Path(settings.ORCHARD_HOME) / "cache" / "test-models" / "smollm2-135m-f32"
+    if not (folder / "config.json").exists():
+        convert_gguf(default_gguf_path(), folder, dtype="float32")
+    return folder

@@ -1,0 +1,208 @@
+"""POST /v1/chat/completions with the official OpenAI client against a live daphne server."""
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from inference.models import UsageRecord
+from tests.inference.conftest import TINY, TINY_SIMPLE
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say something about apples."},
+]
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def finished_row(request_id: str, timeout: float = 10.0) -> UsageRecord:
+    deadline = time.monotonic() + timeout
+    while True:
+        row = UsageRecord.objects.filter(request_id=request_id).first()
+        if row and row.status != UsageRecord.Status.IN_PROGRESS:
+            return row
+        if time.monotonic() > deadline:
+            raise AssertionError(f"usage row for {request_id} not finished: {row}")
+        time.sleep(0.05)
+
+
+def test_non_streamed_chat_counts_usage_exactly(client):
+    raw = client.chat.completions.with_raw_response.create(model=TINY, messages=MESSAGES, **GREEDY)
+    completion = raw.parse()
+    assert completion.object == "chat.completion"
+    assert completion.model == TINY
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == 12
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 12
+    request_id = raw.headers["x-request-id"]
+    row = finished_row(request_id)
+    assert row.status == UsageRecord.Status.COMPLETED
+    assert row.prompt_tokens == completion.usage.prompt_tokens
+    assert row.completion_tokens == completion.usage.completion_tokens
+    assert row.endpoint == "chat.completions"
+
+
+def test_streamed_text_equals_non_streamed_and_ends_with_usage(client):
+    whole = client.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY)
+    stream = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_wire_format_ends_with_done(live_server_url, api_key):
+    body = {"model": TINY, "messages": MESSAGES, "stream": True, "max_tokens": 3, "temperature": 0}
+    with httpx.stream(
+        "POST",
+        f"{live_server_url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=30,
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-request-id"].startswith("req_")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in events)
+    json.loads(events[0][len("data: ") :])
+
+
+def test_simple_engine_matches_batched_engine_greedy(client):
+    batched = client.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY)
+    simple = client.chat.completions.create(model=TINY_SIMPLE, messages=MESSAGES, **GREEDY)
+    assert simple.choices[0].message.content == batched.choices[0].message.content
+
+
+async def test_async_client_streams(async_client):
+    stream = await async_client.chat.completions.create(
+        model=TINY, messages=MESSAGES, stream=True, **GREEDY
+    )
+    pieces = [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
+    whole = await async_client.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY)
+    assert "".join(p or "" for p in pieces) == whole.choices[0].message.content
+
+
+def test_n_choices_with_seed_are_reproducible(client):
+    kwargs = {"model": TINY, "messages": MESSAGES, "n": 3, "seed": 7, "temperature": 1.0,
+              "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
+    assert first.usage.completion_tokens == 24
+    assert len({c.message.content for c in first.choices}) > 1
+
+
+def test_logprobs_and_top_logprobs(client):
+    completion = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = completion.choices[0].logprobs.content
+    assert len(content) == 12
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_stop_string_is_never_emitted(client):
+    whole = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, temperature=0, max_tokens=30, extra_body={"ignore_eos": True}
+    ).choices[0].message.content
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    expected = whole[: whole.index(stop)]
+    for stream in (False, True):
+        response = client.chat.completions.create(
+            model=TINY, messages=MESSAGES, temperature=0, max_tokens=30, stop=[stop],
+            stream=stream, extra_body={"ignore_eos": True},
+        )
+        if stream:
+            chunks = [c for c in response if c.choices]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = response.choices[0].message.content, response.choices[0].finish_reason
+        assert text == expected
+        assert finish == "stop"
+
+
+def test_text_content_parts_and_developer_role(client):
+    parts = [
+        {"role": "developer", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Say something "},
+                                     {"type": "text", "text": "about apples."}]},
+    ]
+    a = client.chat.completions.create(model=TINY, messages=parts, **GREEDY)
+    b = client.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_tool_history_is_accepted(client):
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
+    ]
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object",
+                                              "properties": {"city": {"type": "string"}}}}}]
+    completion = client.chat.completions.create(
+        model=TINY, messages=messages, tools=tools, **GREEDY
+    )
+    plain = client.chat.completions.create(model=TINY, messages=messages[:1], **GREEDY)
+    assert completion.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+
+
+def test_client_disconnect_aborts_and_records_what_was_sent(live_server_url, api_key):
+    body = {"model": TINY, "messages": MESSAGES, "stream": True, "max_tokens": 3000,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream(
+        "POST", f"{live_server_url}/v1/chat/completions", json=body,
+        headers={"Authorization": f"Bearer {api_key}"}, timeout=30,
+    ) as response:
+        request_id = response.headers["x-request-id"]
+        lines = response.iter_lines()
+        received = 0
+        for line in lines:
+            if line.startswith("data: {"):
+                received += 1
+            if received == 5:
+                break
+    row = finished_row(request_id)
+    assert row.status == UsageRecord.Status.CANCELLED
+    assert 5 <= row.completion_tokens < 3000
+    # The engine freed the slot: a new request is served at once.
+    quick = openai.OpenAI(base_url=f"{live_server_url}/v1", api_key=api_key, max_retries=0)
+    assert quick.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY).choices
+
+
+def test_langchain_chat_openai_invoke_and_stream(live_server_url, api_key):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        model=TINY, base_url=f"{live_server_url}/v1", api_key=api_key, temperature=0,
+        max_tokens=8, max_retries=0,
+    )
+    message = llm.invoke("Say something about apples.")
+    assert isinstance(message.content, str) and message.content
+    streamed = "".join(chunk.content for chunk in llm.stream("Say something about apples."))
+    assert streamed == message.content

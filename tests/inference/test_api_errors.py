@@ -1,0 +1,139 @@
+"""OpenAI error bodies and status codes from every /v1 failure, never HTML or a bare 500."""
+
+import httpx
+import openai
+import pytest
+
+from accounts.services import api_key_find, api_key_revoke
+from tests.inference.conftest import TINY
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def assert_openai_error(response: httpx.Response, status: int, *, param=None, code=None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.headers["x-request-id"].startswith("req_")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+@pytest.fixture
+def post(live_server_url, api_key):
+    def post(path: str, body=None, *, content=None, key=api_key, headers=None):
+        all_headers = {"Authorization": f"Bearer {key}", **(headers or {})}
+        if content is not None:
+            all_headers["Content-Type"] = "application/json"
+        return httpx.post(
+            f"{live_server_url}/v1/{path}", json=body, content=content, headers=all_headers,
+            timeout=30,
+        )
+
+    return post
+
+
+def test_missing_and_bad_keys_get_401(live_server_url, tiny_models):
+    response = httpx.get(f"{live_server_url}/v1/models")
+    assert_openai_error(response, 401, code="invalid_api_key")
+    for header in ("Bearer nope", "Bearer sk-orch-" + "a" * 40, "Basic abc", "Bearer"):
+        response = httpx.get(f"{live_server_url}/v1/models", headers={"Authorization": header})
+        assert_openai_error(response, 401, code="invalid_api_key")
+
+
+def test_revoked_key_is_refused_on_the_next_request(client, api_key):
+    assert client.models.list().data
+    api_key_revoke(api_key=api_key_find(key_or_prefix=api_key))
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client.models.list()
+    assert caught.value.status_code == 401
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert caught.value.code == "model_not_found"
+    assert caught.value.body["param"] == "model"
+
+
+def test_model_outside_the_keys_scope_is_404(live_server_url, make_key, tiny_models):
+    key = make_key(username="bob", team="team-b", models=["some-other-model"])
+    client = openai.OpenAI(base_url=f"{live_server_url}/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model=TINY, messages=MESSAGES)
+    assert caught.value.code == "model_not_found"
+    assert [m.id for m in client.models.list().data] == []
+
+
+def test_context_length_exceeded(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=10_000_000)
+    assert caught.value.code == "context_length_exceeded"
+    assert caught.value.body["param"] == "messages"
+    long = [{"role": "user", "content": "apple " * 5000}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=TINY, messages=long)
+    assert caught.value.code == "context_length_exceeded"
+
+
+def test_malformed_json_and_non_object_bodies(post, tiny_models):
+    assert_openai_error(post("chat/completions", content=b"{not json"), 400)
+    assert_openai_error(post("chat/completions", content=b"[1, 2]"), 400)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("temperature", 5, "temperature"),
+        ("temperature", "hot", "temperature"),
+        ("top_p", 1.5, "top_p"),
+        ("n", 0, "n"),
+        ("max_tokens", 0, "max_tokens"),
+        ("top_logprobs", 50, "top_logprobs"),
+        ("stream", "yes", "stream"),
+        ("stop", ["a", "b", "c", "d", "e"], "stop"),
+        ("messages", [], "messages"),
+        ("messages", [{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ("response_format", {"type": "xml"}, "response_format"),
+    ],
+)
+def test_invalid_values_name_the_param(post, tiny_models, field, value, param):
+    body = {"model": TINY, "messages": MESSAGES, field: value}
+    assert_openai_error(post("chat/completions", body), 400, param=param)
+
+
+def test_non_text_content_part_is_a_clear_400(post, tiny_models):
+    image = {"type": "image_url", "image_url": {"url": "http://example.invalid/x.png"}}
+    body = {"model": TINY, "messages": [{"role": "user", "content": [image]}]}
+    error = assert_openai_error(
+        post("chat/completions", body), 400, param="messages[0].content[0].type"
+    )
+    assert "only text" in error["message"]
+
+
+def test_unknown_fields_are_ignored(post, tiny_models):
+    body = {"model": TINY, "messages": MESSAGES, "max_tokens": 2, "frobnicate": True,
+            "metadata": {"x": 1}}
+    assert post("chat/completions", body).status_code == 200
+
+
+def test_oversized_body_is_refused_before_parsing(post, tiny_models, settings):
+    huge = b'{"model": "x", "messages": [], "pad": "' + b"a" * (9 * 1024 * 1024) + b'"}'
+    assert_openai_error(post("chat/completions", content=huge), 413)
+
+
+def test_unknown_path_and_wrong_method_are_json(live_server_url, api_key):
+    headers = {"Authorization": f"Bearer {api_key}"}
+    assert_openai_error(httpx.get(f"{live_server_url}/v1/nope", headers=headers), 404)
+    response = httpx.get(f"{live_server_url}/v1/chat/completions", headers=headers)
+    assert_openai_error(response, 405)
+
+
+def test_completions_suffix_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=TINY, prompt="def f():", suffix="return 1")
+    assert caught.value.body["param"] == "suffix"

@@ -1,0 +1,46 @@
+"""`chat_template_kwargs` must reach the chat template on every path (a silently dropped
+`enable_thinking` was a real bug elsewhere). The Qwen3 template renders an empty think block into
+the generation prompt when enable_thinking is false, so the prompt token count shows whether the
+kwargs arrived: a black-box spy on the real template."""
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from tests.fixtures.tiny_models import tokenizer_dir
+from tests.inference.conftest import TINY, TINY_SIMPLE
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+def expected_prompt_tokens(**kwargs) -> int:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir("qwen3")))
+    text = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def counts():
+    thinking_off = expected_prompt_tokens(enable_thinking=False)
+    default = expected_prompt_tokens()
+    assert thinking_off > default  # the spy only works if the template reacts
+    return default, thinking_off
+
+
+def prompt_tokens(client, model, stream, **extra):
+    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    if stream:
+        chunks = list(client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs, **extra))
+        return chunks[-1].usage.prompt_tokens
+    return client.chat.completions.create(**kwargs, **extra).usage.prompt_tokens
+
+
+@pytest.mark.parametrize("model", [TINY, TINY_SIMPLE])
+@pytest.mark.parametrize("stream", [False, True])
+def test_enable_thinking_reaches_the_template(client, counts, model, stream):
+    default, thinking_off = counts
+    off = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    assert prompt_tokens(client, model, stream) == default
+    assert prompt_tokens(client, model, stream, **off) == thinking_off
