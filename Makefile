@@ -42,6 +42,7 @@ $(STAMP): requirements.txt requirements-dev.txt Makefile | $(PY)
 setup: $(STAMP)
 	@sh scripts/ensure_openblas.sh
 	$(PY) manage.py migrate --noinput -v 0
+	$(PY) manage.py collectstatic --noinput -v 0
 
 serve: setup
 	$(PY) manage.py bootstrap --base-url http://$(HOST):$(PORT)
@@ -49,6 +50,7 @@ serve: setup
 
 test: setup
 	@sh scripts/fetch_test_tokenizers.sh
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 ifneq ($(TEST_POSTGRES_URL),)
 	DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest $(PYTEST_ARGS) $(GATEWAY_TESTS)

@@ -68,11 +68,11 @@ def api_key_create(
 
 def api_key_find(*, key_or_prefix: str) -> ApiKey:
     """The key named by a raw key or its displayed prefix; raises ApiKey.DoesNotExist."""
-    prefix = keys.lookup_prefix(key_or_prefix.strip().rstrip("…"))
-    api_key = ApiKey.objects.get(prefix=prefix)
-    if len(key_or_prefix.strip()) > keys.LOOKUP_PREFIX_LENGTH and not keys.digest_matches(
-        key_or_prefix.strip(), api_key.digest
-    ):
+    given = key_or_prefix.strip().rstrip("…")
+    if len(given) < keys.LOOKUP_PREFIX_LENGTH:
+        raise ApiKey.DoesNotExist("Give the whole displayed prefix or the key.")
+    api_key = ApiKey.objects.get(prefix=keys.lookup_prefix(given))
+    if len(given) > keys.LOOKUP_PREFIX_LENGTH and not keys.digest_matches(given, api_key.digest):
         raise ApiKey.DoesNotExist("No key matches.")
     return api_key
 

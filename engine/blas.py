@@ -33,7 +33,11 @@ def find_openblas() -> str | None:
 def preload_openblas() -> str | None:
     """Load OpenBLAS globally once; returns its path, or None where not applicable or missing."""
     global _loaded
-    if _loaded or not sys.platform.startswith("linux") or os.environ.get("ORCHARD_OPENBLAS") == "off":
+    if (
+        _loaded
+        or not sys.platform.startswith("linux")
+        or os.environ.get("ORCHARD_OPENBLAS") == "off"
+    ):
         return _loaded
     if "mlx.core" in sys.modules:
         # Too late to interpose; say so rather than pretend.

@@ -22,7 +22,8 @@ from engine.protocol import (
 class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def ensure_model(self, spec: ModelSpec) -> ModelInfo:
-        """Load the model if it is not loaded (or reload it if its spec changed); return its info."""
+        """Load the model if it is not loaded (or reload it if its spec changed); return its
+        info."""
 
     @abc.abstractmethod
     async def unload_model(self, name: str) -> None:

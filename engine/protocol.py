@@ -128,6 +128,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    # response_format {"type": "json_object"}: the completion is constrained to one JSON object.
+    json_mode: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -153,12 +155,16 @@ class SamplingParams:
             raise bad("frequency_penalty", "frequency_penalty must be between -2 and 2.")
         for token_id, bias in self.logit_bias.items():
             if vocab_size is not None and not 0 <= int(token_id) < vocab_size:
-                raise bad("logit_bias", f"logit_bias has token id {token_id} outside the vocabulary.")
+                raise bad(
+                    "logit_bias", f"logit_bias has token id {token_id} outside the vocabulary."
+                )
             if not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", "logit_bias values must be between -100 and 100.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", "max_tokens must be at least 1.")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
             raise bad("min_tokens", "min_tokens must be between 0 and max_tokens.")
         if len(self.stop) > 4 or any(not s for s in self.stop):
             raise bad("stop", "stop takes at most 4 non-empty strings.")

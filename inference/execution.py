@@ -238,20 +238,24 @@ class Execution:
                     await aclose()
                 except Exception:
                     logger.exception("closing an engine stream failed")
-        if self._admission is not None:
-            await self._admission.release(
-                used_tokens=self.num_prompt_tokens + self.num_completion_tokens
-            )
-        if self._usage_id is not None:
-            await sync_to_async(usage_finish)(
-                record_id=self._usage_id,
-                status=status,
-                prompt_tokens=self.num_prompt_tokens,
-                cached_tokens=self.num_cached_tokens,
-                completion_tokens=self.num_completion_tokens,
-                time_to_first_token_ms=self._first_token_ms,
-                error_code=error_code,
-            )
+        # The usage row first: a limiter re-seeding its budget from the database in between
+        # then counts this request twice (safe) rather than not at all.
+        try:
+            if self._usage_id is not None:
+                await sync_to_async(usage_finish)(
+                    record_id=self._usage_id,
+                    status=status,
+                    prompt_tokens=self.num_prompt_tokens,
+                    cached_tokens=self.num_cached_tokens,
+                    completion_tokens=self.num_completion_tokens,
+                    time_to_first_token_ms=self._first_token_ms,
+                    error_code=error_code,
+                )
+        finally:
+            if self._admission is not None:
+                await self._admission.release(
+                    used_tokens=self.num_prompt_tokens + self.num_completion_tokens
+                )
 
     def usage(self) -> dict:
         return {

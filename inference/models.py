@@ -112,3 +112,6 @@ class DailyUsage(models.Model):
                 fields=["date", "team", "api_key", "model"], name="unique_daily_usage"
             )
         ]
+
+    def __str__(self) -> str:
+        return f"{self.date} {self.model}"

@@ -86,8 +86,7 @@ def usage_finish(
         raise ValueError(f"Cannot finish a usage row as {status!r}.")
     record = UsageRecord.objects.select_for_update().get(pk=record_id)
     swept = (
-        record.status == UsageRecord.Status.FAILED
-        and record.error_code == ERROR_SERVER_RESTARTED
+        record.status == UsageRecord.Status.FAILED and record.error_code == ERROR_SERVER_RESTARTED
     )
     if record.status != UsageRecord.Status.IN_PROGRESS and not swept:
         return False

@@ -95,9 +95,13 @@ def _first_error(errors: Any, path: str = "") -> tuple[str, str]:
         key, value = next(iter(errors.items()))
         return _first_error(value, f"{path}.{key}" if path else str(key))
     if isinstance(errors, list):
-        return _first_error(errors[0], path) if isinstance(errors[0], dict | list) else (
-            path,
-            str(errors[0]),
+        return (
+            _first_error(errors[0], path)
+            if isinstance(errors[0], dict | list)
+            else (
+                path,
+                str(errors[0]),
+            )
         )
     return path, str(errors)
 
@@ -109,7 +113,9 @@ async def resolve_model(api_key: ApiKey, name: str) -> tuple[ModelEntry, ModelIn
     try:
         info = await get_engine_client().ensure_model(model_spec(entry))
     except EngineError as exc:
-        raise APIError(503, f"The model '{name}' could not be loaded: {exc}", code=exc.code) from None
+        raise APIError(
+            503, f"The model '{name}' could not be loaded: {exc}", code=exc.code
+        ) from None
     return entry, info
 
 
@@ -330,8 +336,10 @@ async def completions(request: HttpRequest) -> HttpResponse:
     client = get_engine_client()
     prompts_ids = []
     for prompt in data["prompt"]:
-        source = PromptInput(text=prompt) if isinstance(prompt, str) else PromptInput(
-            token_ids=tuple(prompt)
+        source = (
+            PromptInput(text=prompt)
+            if isinstance(prompt, str)
+            else PromptInput(token_ids=tuple(prompt))
         )
         prompts_ids.append(await render(entry.name, source, param="prompt"))
     sampling = sampling_params(

@@ -46,9 +46,18 @@ def live_server_url(django_db_setup, tmp_path_factory):
     """A real daphne serving config.asgi; the engine runs inside it, as in `make serve`."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("daphne") / "server.log"
-    log = open(log_path, "wb")  # noqa: SIM115 (kept open for the server's lifetime)
+    log = open(log_path, "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
+        [
+            sys.executable,
+            "-m",
+            "daphne",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "config.asgi:application",
+        ],
         cwd=ROOT,
         env=_server_env(),
         stdout=log,

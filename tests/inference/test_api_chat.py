@@ -56,7 +56,9 @@ def test_streamed_text_equals_non_streamed_and_ends_with_usage(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["length"]
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -97,8 +99,15 @@ async def test_async_client_streams(async_client):
 
 
 def test_n_choices_with_seed_are_reproducible(client):
-    kwargs = {"model": TINY, "messages": MESSAGES, "n": 3, "seed": 7, "temperature": 1.0,
-              "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+    kwargs = {
+        "model": TINY,
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 7,
+        "temperature": 1.0,
+        "max_tokens": 8,
+        "extra_body": {"ignore_eos": True},
+    }
     first = client.chat.completions.create(**kwargs)
     second = client.chat.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -122,15 +131,28 @@ def test_logprobs_and_top_logprobs(client):
 
 
 def test_stop_string_is_never_emitted(client):
-    whole = client.chat.completions.create(
-        model=TINY, messages=MESSAGES, temperature=0, max_tokens=30, extra_body={"ignore_eos": True}
-    ).choices[0].message.content
+    whole = (
+        client.chat.completions.create(
+            model=TINY,
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=30,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .message.content
+    )
     stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
     expected = whole[: whole.index(stop)]
     for stream in (False, True):
         response = client.chat.completions.create(
-            model=TINY, messages=MESSAGES, temperature=0, max_tokens=30, stop=[stop],
-            stream=stream, extra_body={"ignore_eos": True},
+            model=TINY,
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=30,
+            stop=[stop],
+            stream=stream,
+            extra_body={"ignore_eos": True},
         )
         if stream:
             chunks = [c for c in response if c.choices]
@@ -145,8 +167,13 @@ def test_stop_string_is_never_emitted(client):
 def test_text_content_parts_and_developer_role(client):
     parts = [
         {"role": "developer", "content": "You are terse."},
-        {"role": "user", "content": [{"type": "text", "text": "Say something "},
-                                     {"type": "text", "text": "about apples."}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Say something "},
+                {"type": "text", "text": "about apples."},
+            ],
+        },
     ]
     a = client.chat.completions.create(model=TINY, messages=parts, **GREEDY)
     b = client.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY)
@@ -157,14 +184,28 @@ def test_text_content_parts_and_developer_role(client):
 def test_tool_history_is_accepted(client):
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
     ]
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "parameters": {"type": "object",
-                                              "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     completion = client.chat.completions.create(
         model=TINY, messages=messages, tools=tools, **GREEDY
     )
@@ -173,11 +214,20 @@ def test_tool_history_is_accepted(client):
 
 
 def test_client_disconnect_aborts_and_records_what_was_sent(live_server_url, api_key):
-    body = {"model": TINY, "messages": MESSAGES, "stream": True, "max_tokens": 3000,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": TINY,
+        "messages": MESSAGES,
+        "stream": True,
+        "max_tokens": 3000,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.stream(
-        "POST", f"{live_server_url}/v1/chat/completions", json=body,
-        headers={"Authorization": f"Bearer {api_key}"}, timeout=30,
+        "POST",
+        f"{live_server_url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=30,
     ) as response:
         request_id = response.headers["x-request-id"]
         lines = response.iter_lines()
@@ -199,8 +249,12 @@ def test_langchain_chat_openai_invoke_and_stream(live_server_url, api_key):
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(
-        model=TINY, base_url=f"{live_server_url}/v1", api_key=api_key, temperature=0,
-        max_tokens=8, max_retries=0,
+        model=TINY,
+        base_url=f"{live_server_url}/v1",
+        api_key=api_key,
+        temperature=0,
+        max_tokens=8,
+        max_retries=0,
     )
     message = llm.invoke("Say something about apples.")
     assert isinstance(message.content, str) and message.content

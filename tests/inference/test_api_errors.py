@@ -30,7 +30,10 @@ def post(live_server_url, api_key):
         if content is not None:
             all_headers["Content-Type"] = "application/json"
         return httpx.post(
-            f"{live_server_url}/v1/{path}", json=body, content=content, headers=all_headers,
+            f"{live_server_url}/v1/{path}",
+            json=body,
+            content=content,
+            headers=all_headers,
             timeout=30,
         )
 
@@ -116,8 +119,13 @@ def test_non_text_content_part_is_a_clear_400(post, tiny_models):
 
 
 def test_unknown_fields_are_ignored(post, tiny_models):
-    body = {"model": TINY, "messages": MESSAGES, "max_tokens": 2, "frobnicate": True,
-            "metadata": {"x": 1}}
+    body = {
+        "model": TINY,
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "frobnicate": True,
+        "metadata": {"x": 1},
+    }
     assert post("chat/completions", body).status_code == 200
 
 

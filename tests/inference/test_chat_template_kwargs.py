@@ -31,8 +31,11 @@ def counts():
 def prompt_tokens(client, model, stream, **extra):
     kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
     if stream:
-        chunks = list(client.chat.completions.create(
-            stream=True, stream_options={"include_usage": True}, **kwargs, **extra))
+        chunks = list(
+            client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs, **extra
+            )
+        )
         return chunks[-1].usage.prompt_tokens
     return client.chat.completions.create(**kwargs, **extra).usage.prompt_tokens
 

@@ -21,8 +21,16 @@ def run(*args) -> str:
 def test_register_model_adds_updates_and_switches_default(tiny_model_path):
     run("register_model", "a", str(tiny_model_path))
     assert ModelEntry.objects.get(name="a").is_default  # the first model becomes the default
-    run("register_model", "b", str(tiny_model_path), "--engine", "simple", "--default",
-        "--tool-parser", "hermes")
+    run(
+        "register_model",
+        "b",
+        str(tiny_model_path),
+        "--engine",
+        "simple",
+        "--default",
+        "--tool-parser",
+        "hermes",
+    )
     b = ModelEntry.objects.get(name="b")
     assert (b.engine, b.tool_parser, b.is_default) == ("simple", "hermes", True)
     assert not ModelEntry.objects.get(name="a").is_default
@@ -80,8 +88,13 @@ def test_bootstrap_closes_rows_left_open_by_a_crash(tiny_model_path):
     team, _ = team_membership_ensure(user=user, team_name="t")
     key, _ = api_key_create(user=user, team=team)
     UsageRecord.objects.create(
-        request_id="req_crashed", api_key=key, team=team, user=user, model="m",
-        endpoint="chat.completions", started_at=timezone.now() - timezone.timedelta(hours=1),
+        request_id="req_crashed",
+        api_key=key,
+        team=team,
+        user=user,
+        model="m",
+        endpoint="chat.completions",
+        started_at=timezone.now() - timezone.timedelta(hours=1),
     )
     # The default model is already there, so bootstrap only sweeps (and creates the admin).
     run("register_model", "smollm2-135m-instruct", str(tiny_model_path))

@@ -14,6 +14,8 @@ from inference.models import ModelEntry
 from inference.usage import usage_close_stale
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# SmolLM2's recommended sampling; OpenAI's default temperature of 1 makes a 135M model ramble.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 class Command(BaseCommand):
@@ -44,6 +46,9 @@ class Command(BaseCommand):
             "--default",
             "--force",
             stdout=self.stdout,
+        )
+        ModelEntry.objects.filter(name=DEFAULT_MODEL).update(
+            default_sampling=DEFAULT_MODEL_SAMPLING
         )
 
     def _admin_and_key(self) -> None:

@@ -1,0 +1,49 @@
+"""Reads for teams, keys and budgets, scoped to what a user may see.
+
+Visibility rules (one place, so the admin, reports and APIs agree):
+- superusers see everything;
+- a team's owners see all of the team's keys; a member sees only the keys issued to them;
+- any member sees the team itself (and, in inference, the team's usage);
+- nobody sees another team's anything.
+"""
+
+import datetime
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import QuerySet
+
+from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
+
+
+def month_start(day: datetime.date) -> datetime.date:
+    return day.replace(day=1)
+
+
+def api_key_month_tokens(*, api_key_id: int, month: datetime.date) -> int:
+    """Tokens the key used in the calendar month starting at `month` (finished requests only)."""
+    row = ApiKeyMonthlyUsage.objects.filter(api_key_id=api_key_id, month=month).first()
+    return row.tokens if row else 0
+
+
+def teams_visible_to(*, user: AbstractBaseUser) -> QuerySet[Team]:
+    if user.is_superuser:
+        return Team.objects.all()
+    return Team.objects.filter(memberships__user=user).distinct()
+
+
+def teams_owned_by(*, user: AbstractBaseUser) -> QuerySet[Team]:
+    if user.is_superuser:
+        return Team.objects.all()
+    return Team.objects.filter(
+        memberships__user=user, memberships__role=Membership.Role.OWNER
+    ).distinct()
+
+
+def api_keys_visible_to(*, user: AbstractBaseUser) -> QuerySet[ApiKey]:
+    if user.is_superuser:
+        return ApiKey.objects.all()
+    owned = Team.objects.filter(memberships__user=user, memberships__role=Membership.Role.OWNER)
+    member_of = Team.objects.filter(memberships__user=user)
+    return ApiKey.objects.filter(team__in=owned) | ApiKey.objects.filter(
+        user=user, team__in=member_of
+    )

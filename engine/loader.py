@@ -1,0 +1,132 @@
+"""Load a model folder: mlx-lm's loader, with a transformers fallback for the tokenizer.
+
+Every path returns its result (a past refactor returned only from `except` branches, so clean
+loads produced None). Tokenizer-only helpers here run off the engine thread: they never touch MLX.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+
+# isort: split
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model as mlx_load_model
+from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from engine.protocol import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT_LENGTH = 4096
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: Mapping[str, Any]
+    info: ModelInfo
+    tokenizer_source: str  # "mlx_lm" | "auto_tokenizer" | "tokenizer_file"
+
+
+def load_model(
+    path: str | Path, *, name: str | None = None, context_length: int | None = None
+) -> LoadedModel:
+    """Load weights with mlx-lm and the tokenizer by the first loader that works."""
+    path = Path(path)
+    model, config = mlx_load_model(path)
+    eos = config.get("eos_token_id")
+    tokenizer, source = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    info = ModelInfo(
+        name=name or path.name,
+        context_length=context_length or _context_length(config),
+        vocab_size=_vocab_size(model, config),
+        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+        supports_tools=bool(getattr(tokenizer, "has_tool_calling", False)),
+    )
+    return LoadedModel(model, tokenizer, config, info, source)
+
+
+def load_tokenizer(
+    path: Path, *, eos_token_ids: Sequence[int] | None = None
+) -> tuple[TokenizerWrapper, str]:
+    try:
+        return mlx_load_tokenizer(path, eos_token_ids=eos_token_ids), "mlx_lm"
+    except Exception as exc:
+        logger.warning(
+            "mlx-lm could not load the tokenizer of %s (%s); trying transformers", path, exc
+        )
+    try:
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
+        source = "auto_tokenizer"
+    except Exception as exc:
+        logger.warning(
+            "AutoTokenizer failed for %s (%s); reading tokenizer.json directly", path, exc
+        )
+        hf_tokenizer = _tokenizer_from_file(path)
+        source = "tokenizer_file"
+    return TokenizerWrapper(hf_tokenizer, eos_token_ids=eos_token_ids), source
+
+
+def _tokenizer_from_file(path: Path) -> PreTrainedTokenizerFast:
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    special = {
+        key: config[key]
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if isinstance(config.get(key), str)
+    }
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(path / "tokenizer.json"),
+        chat_template=config.get("chat_template"),
+        **special,
+    )
+
+
+def _context_length(config: Mapping[str, Any]) -> int:
+    sources = [config, config.get("text_config") or {}]
+    for source in sources:
+        for key in _CONTEXT_KEYS:
+            if isinstance(source.get(key), int):
+                return source[key]
+    return DEFAULT_CONTEXT_LENGTH
+
+
+def _vocab_size(model: nn.Module, config: Mapping[str, Any]) -> int:
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if vocab:
+        return int(vocab)
+    return int(model.model.embed_tokens.weight.shape[0])
+
+
+def apply_chat_template(
+    tokenizer: TokenizerWrapper,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of chat messages through the model's template, with tools and template kwargs."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError("This model has no chat template; send a plain prompt instead.")
+    kwargs = dict(chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = [dict(tool) for tool in tools]
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **kwargs,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))

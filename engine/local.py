@@ -1,0 +1,100 @@
+"""LocalEngineClient: the engine in this process, behind the asyncio `EngineClient` interface.
+
+Outputs cross from the engine thread with `loop.call_soon_threadsafe` into a per-request
+`asyncio.Queue`. Leaving the stream early (closing the iterator, or cancelling the task that
+consumes it) sends an abort, which the engine applies before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from jinja2 import TemplateError
+
+from engine.client import EngineClient
+from engine.loader import apply_chat_template
+from engine.protocol import (
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    InvalidRequestError,
+    ModelInfo,
+    ModelSpec,
+    PromptInput,
+)
+from engine.worker import EngineWorker
+
+
+class LocalEngineClient(EngineClient):
+    def __init__(self, worker: EngineWorker | None = None):
+        self.worker = worker or EngineWorker()
+
+    async def ensure_model(self, spec: ModelSpec) -> ModelInfo:
+        return await asyncio.wrap_future(self.worker.load(spec))
+
+    async def unload_model(self, name: str) -> None:
+        await asyncio.to_thread(self.worker.unload, name)
+
+    async def render_prompt(self, model: str, prompt: PromptInput) -> list[int]:
+        tokenizer = self.worker.get(model).loaded.tokenizer
+        # Tokenizers and templates only: no MLX off the engine thread.
+        return await asyncio.to_thread(_render, tokenizer, prompt)
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        tokenizer = self.worker.get(model).loaded.tokenizer
+        return await asyncio.to_thread(tokenizer.decode, list(token_ids))
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        return self._generate(request)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
+
+        def emit(output: GenerationOutput) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, output)
+            except RuntimeError:
+                pass  # the event loop is closed: nobody is listening any more
+
+        self.worker.submit(request, emit)
+        num_open = request.sampling.n
+        try:
+            while num_open:
+                output = await outputs.get()
+                if output.finish_reason is not None:
+                    num_open -= 1
+                yield output
+        finally:
+            if num_open:
+                self.worker.abort(request.model, request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        for engine_stats in self.worker.stats():
+            self.worker.abort(engine_stats.model, request_id)
+
+    async def stats(self) -> list[EngineStats]:
+        return self.worker.stats()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.worker.shutdown)
+
+
+def _render(tokenizer, prompt: PromptInput) -> list[int]:
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    if prompt.messages is not None:
+        try:
+            return apply_chat_template(
+                tokenizer,
+                prompt.messages,
+                tools=prompt.tools,
+                add_generation_prompt=prompt.add_generation_prompt,
+                chat_template_kwargs=prompt.chat_template_kwargs,
+            )
+        except (ValueError, TemplateError) as exc:
+            raise InvalidRequestError(str(exc), param="messages") from exc
+    if prompt.text is not None:
+        return list(tokenizer.encode(prompt.text))
+    raise InvalidRequestError("A prompt needs messages, text or token ids.", param="prompt")

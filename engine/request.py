@@ -1,0 +1,90 @@
+"""Request and sequence state inside the engine.
+
+One token-accounting model (vLLM v1): a sequence has `num_tokens` (prompt + generated) and
+`num_computed_tokens` (tokens whose keys/values are in its cache). Each step the scheduler grants
+a sequence some of the difference; a sequence samples a token when it catches up. Prefill and
+decode are the same thing at different sizes, and a prefix-cache hit later simply starts
+`num_computed_tokens` above zero.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.protocol import GenerationOutput, GenerationRequest, RequestStatus
+
+Emit = Callable[[GenerationOutput], None]
+
+
+@dataclass
+class Sequence:
+    """One choice (`index` in 0..n-1) of a request; its tokens continue the shared prompt."""
+
+    request: Request
+    index: int
+    sampling_state: Any  # engine.sampling.SamplingState
+    detokenizer: Any  # engine.detokenizer.StreamDetokenizer
+    constraint: Any = None  # engine.constraints.JsonConstraint in JSON mode
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+
+    @property
+    def seq_id(self) -> tuple[str, int]:
+        return (self.request.request_id, self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.request.num_prompt_tokens
+
+    def token_at(self, position: int) -> int:
+        prompt = self.request.prompt_token_ids
+        if position < len(prompt):
+            return prompt[position]
+        return self.output_token_ids[position - len(prompt)]
+
+
+@dataclass
+class Request:
+    """A `GenerationRequest` admitted to an engine, with its `n` sequences."""
+
+    spec: GenerationRequest
+    emit: Emit
+    max_tokens: int  # resolved against the context length
+    sequences: list[Sequence] = field(default_factory=list)
+    arrived_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.spec.prompt_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.spec.prompt_token_ids)
+
+    @property
+    def status(self) -> RequestStatus:
+        """The least advanced status of its sequences: finished only when all are."""
+        return min(seq.status for seq in self.sequences)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def live_sequences(self) -> list[Sequence]:
+        return [seq for seq in self.sequences if not seq.status.is_finished]

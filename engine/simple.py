@@ -1,0 +1,81 @@
+"""The serialized engine: one request at a time, for models or settings that cannot batch.
+
+Serialization is structural rather than a lock around `to_thread`: the model's one engine thread
+takes requests from its inbox and runs each to its end before taking the next. A caller that is
+cancelled only queues an abort, which the running generation sees between tokens; the next
+request cannot start until that thread has returned from the current one (FACTS.md: a lock
+released on cancellation let a second MLX thread start while the first still ran).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.batched import STOP, EngineLoop
+from engine.protocol import RequestStatus
+from engine.request import Request
+from engine.runner import SequenceRunner
+
+
+class SimpleEngine(EngineLoop):
+    def setup(self) -> None:
+        self.runner = SequenceRunner(self.loaded.model)
+        self._pending: deque[Request] = deque()
+        self._stopping = False
+
+    def run(self) -> None:
+        while not self._stopping:
+            self._poll(current=None, block=not self._pending)
+            if self._stopping or not self._pending:
+                continue
+            request = self._pending.popleft()
+            self._publish(len(self._pending), len(request.sequences))
+            for seq in request.sequences:
+                seq.status = RequestStatus.RUNNING
+            self.generate(request)
+            self._publish(len(self._pending), 0)
+
+    def generate(self, request: Request) -> None:
+        """Run a request to its end, its choices one after another; aborts checked per token."""
+        for seq in request.sequences:
+            cache = self.runner.prefill(request.prompt_token_ids, self.spec.max_num_batched_tokens)
+            seq.num_computed_tokens = request.num_prompt_tokens - 1
+            self._meter.num_prompt_tokens += request.num_prompt_tokens
+            while not seq.status.is_finished:
+                if self._poll(current=request, block=False):
+                    self.finish(request, RequestStatus.FINISHED_ABORTED)
+                    return
+                (sampled,) = self.runner.step(cache, [seq])
+                seq.num_computed_tokens += 1
+                self.accept(sampled)
+
+    def _poll(self, *, current: Request | None, block: bool) -> bool:
+        """Apply inbox commands; True when `current` must stop (aborted, or engine stopping)."""
+        stop_current = False
+        for kind, payload in self._take(block=block):
+            if kind is STOP:
+                self._stopping = True
+                stop_current = True
+            elif kind == "add":
+                self._pending.append(payload)
+            elif current is not None and payload == current.request_id:
+                stop_current = True
+            else:
+                self._abort_pending(payload)
+        self._publish(len(self._pending), len(current.sequences) if current else 0)
+        return stop_current
+
+    def _abort_pending(self, request_id: str) -> None:
+        for request in self._pending:
+            if request.request_id == request_id:
+                self._pending.remove(request)
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                return
+
+    def close(self) -> None:
+        while self._pending:
+            self.finish(self._pending.popleft(), RequestStatus.FINISHED_ABORTED)
+        for kind, payload in self._take(block=False):
+            if kind == "add":
+                self.finish(payload, RequestStatus.FINISHED_ABORTED)
+        self._publish(0, 0)

@@ -1,0 +1,205 @@
+"""Admin for the model registry and for usage.
+
+Usage pages are read-only and built to stay fast at millions of rows: searches are exact matches
+on indexed columns, no filter runs a DISTINCT over the rows, the row count is capped, and totals
+come from the daily roll-ups.
+"""
+
+import datetime
+
+from django.contrib import admin, messages
+from django.core.paginator import Paginator
+from django.db.models import Q
+from django.template.response import TemplateResponse
+from django.urls import path
+from django.utils import timezone
+from django.utils.functional import cached_property
+
+from accounts import keys
+from accounts.admin import VisibleTeamFilter
+from inference.models import DailyUsage, ModelEntry, UsageRecord
+from inference.registry import model_set_default
+from inference.usage import daily_usage_visible_to, usage_records_visible_to, usage_totals
+
+# The changelist counts at most this many matching rows (then filters narrow it down).
+USAGE_COUNT_CAP = 10_000
+
+
+@admin.register(ModelEntry)
+class ModelEntryAdmin(admin.ModelAdmin):
+    list_display = [
+        "name",
+        "enabled",
+        "is_default",
+        "engine",
+        "context_length",
+        "tool_parser",
+        "reasoning_parser",
+        "max_num_seqs",
+        "updated_at",
+    ]
+    list_editable = ["enabled"]
+    list_filter = ["enabled", "engine"]
+    search_fields = ["name", "path"]
+    actions = ["enable", "disable", "make_default"]
+    readonly_fields = ["is_default", "created_at", "updated_at"]
+    fieldsets = [
+        (None, {"fields": ["name", "path", "enabled", "is_default", "engine"]}),
+        ("Parsers", {"fields": ["tool_parser", "reasoning_parser"]}),
+        ("Generation", {"fields": ["context_length", "default_sampling"]}),
+        ("Batching", {"fields": ["max_num_seqs", "max_num_batched_tokens", "max_waiting"]}),
+        (None, {"fields": ["created_at", "updated_at"]}),
+    ]
+
+    @admin.action(description="Enable selected models", permissions=["change"])
+    def enable(self, request, queryset):
+        self.message_user(request, f"Enabled {queryset.update(enabled=True)} model(s).")
+
+    @admin.action(description="Disable selected models", permissions=["change"])
+    def disable(self, request, queryset):
+        self.message_user(request, f"Disabled {queryset.update(enabled=False)} model(s).")
+
+    @admin.action(description="Make the selected model the default", permissions=["change"])
+    def make_default(self, request, queryset):
+        if queryset.count() != 1:
+            self.message_user(request, "Select exactly one model.", messages.ERROR)
+            return
+        entry = queryset.get()
+        model_set_default(entry=entry)
+        self.message_user(request, f"{entry} is now the default model.")
+
+
+class CappedCountPaginator(Paginator):
+    @cached_property
+    def count(self) -> int:
+        return self.object_list[:USAGE_COUNT_CAP].count()
+
+
+class ModelNameFilter(admin.SimpleListFilter):
+    title = "model"
+    parameter_name = "model"
+
+    def lookups(self, request, model_admin):
+        # From the roll-ups the user may see, never a DISTINCT over the usage rows.
+        names = daily_usage_visible_to(user=request.user).values_list("model", flat=True)
+        return [(name, name) for name in sorted(set(names.distinct()))]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(model=self.value()) if self.value() else queryset
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(ReadOnlyAdmin):
+    list_display = [
+        "request_id",
+        "started_at",
+        "team",
+        "key",
+        "user",
+        "model",
+        "endpoint",
+        "status",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "time_to_first_token_ms",
+        "duration_ms",
+        "error_code",
+    ]
+    list_filter = [
+        "status",
+        ModelNameFilter,
+        ("team", VisibleTeamFilter),
+        ("started_at", admin.DateFieldListFilter),
+    ]
+    list_select_related = ["team", "api_key", "user"]
+    search_fields = ["request_id"]  # get_search_results below decides how
+    search_help_text = "Exact request id, key prefix (sk-orch-…), team name or model name."
+    paginator = CappedCountPaginator
+    show_full_result_count = False
+    change_list_template = "admin/inference/usagerecord/change_list.html"
+
+    @admin.display(description="key", ordering="api_key__prefix")
+    def key(self, obj: UsageRecord) -> str:
+        return f"{obj.api_key.prefix}…"
+
+    def get_queryset(self, request):
+        return usage_records_visible_to(user=request.user)
+
+    def get_search_results(self, request, queryset, search_term):
+        term = search_term.strip().rstrip("…")
+        if not term:
+            return queryset, False
+        if term.startswith(keys.KEY_PREFIX):
+            return queryset.filter(api_key__prefix=keys.lookup_prefix(term)), False
+        return queryset.filter(Q(request_id=term) | Q(team__name=term) | Q(model=term)), False
+
+    def get_urls(self):
+        totals = path(
+            "totals/",
+            self.admin_site.admin_view(self.totals_view),
+            name="inference_usagerecord_totals",
+        )
+        return [totals, *super().get_urls()]
+
+    def totals_view(self, request):
+        today = timezone.now().date()
+        since = _parse_date(request.GET.get("since"), today.replace(day=1))
+        until = _parse_date(request.GET.get("until"), today)
+        totals = usage_totals(
+            daily=daily_usage_visible_to(user=request.user), since=since, until=until
+        )
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Usage totals {since} – {until}",
+            "opts": self.model._meta,
+            "since": since,
+            "until": until,
+            **totals,
+        }
+        return TemplateResponse(request, "admin/inference/usagerecord/totals.html", context)
+
+
+def _parse_date(value: str | None, default: datetime.date) -> datetime.date:
+    try:
+        return datetime.date.fromisoformat(value) if value else default
+    except ValueError:
+        return default
+
+
+@admin.register(DailyUsage)
+class DailyUsageAdmin(ReadOnlyAdmin):
+    list_display = [
+        "date",
+        "team",
+        "api_key",
+        "model",
+        "num_requests",
+        "num_completed",
+        "num_cancelled",
+        "num_failed",
+        "num_rejected",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+    ]
+    list_filter = [
+        ("date", admin.DateFieldListFilter),
+        ("team", VisibleTeamFilter),
+        ModelNameFilter,
+    ]
+    list_select_related = ["team", "api_key", "api_key__user"]
+
+    def get_queryset(self, request):
+        return daily_usage_visible_to(user=request.user)

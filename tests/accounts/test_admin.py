@@ -1,0 +1,223 @@
+"""The admin through Django's test client: staff only, the show-once key page, revoke and rotate,
+team isolation for staff who are not superusers, the model registry and the usage pages."""
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.urls import reverse
+
+from accounts import keys
+from accounts.admin import ERROR_NOT_A_MEMBER
+from accounts.authentication import ERROR_REVOKED, AuthenticationError, authenticate_header
+from accounts.models import ApiKey, Membership
+from inference.models import ModelEntry, UsageRecord
+from inference.usage import usage_finish
+from tests.factories import (
+    ApiKeyFactory,
+    MembershipFactory,
+    ModelEntryFactory,
+    StaffUserFactory,
+    TeamFactory,
+    UsageRecordFactory,
+    UserFactory,
+    api_key_with_raw,
+)
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = reverse("admin:accounts_apikey_changelist")
+ADD = reverse("admin:accounts_apikey_add")
+
+
+@pytest.fixture
+def admin_client(client):
+    client.force_login(StaffUserFactory())
+    return client
+
+
+def _add_form(team, user, **overrides):
+    data = {
+        "name": "ci",
+        "team": team.pk,
+        "user": user.pk,
+        "all_models": "on",
+        "allowed_models": "",
+        "rpm": "60",
+        "tpm": "",
+        "max_parallel": "2",
+        "budget_tokens": "",
+        "expires_at_0": "",
+        "expires_at_1": "",
+    }
+    data.update(overrides)
+    return data
+
+
+def test_admin_is_staff_only(client):
+    assert client.get(CHANGELIST).status_code == 302
+    client.force_login(UserFactory())
+    response = client.get(CHANGELIST)
+    assert response.status_code == 302
+    assert "/login/" in response["Location"]
+
+
+def test_new_key_is_shown_once_on_its_own_page(admin_client):
+    membership = MembershipFactory()
+    response = admin_client.post(ADD, _add_form(membership.team, membership.user))
+    assert response.status_code == 200
+    assert "no-store" in response["Cache-Control"]
+    api_key = ApiKey.objects.get()
+    raw_key = response.context["created"][0][1]
+    assert keys.is_well_formed(raw_key) and keys.digest_matches(raw_key, api_key.digest)
+    assert raw_key in response.content.decode()
+    # Not through cookie-stored messages or the session, and never again on any page.
+    assert all(raw_key not in morsel.value for morsel in response.cookies.values())
+    assert raw_key not in str(dict(admin_client.session))
+    for url in (CHANGELIST, reverse("admin:accounts_apikey_change", args=[api_key.pk])):
+        page = admin_client.get(url).content.decode()
+        assert api_key.prefix in page
+        assert raw_key not in page and api_key.digest not in page
+    assert (api_key.rpm, api_key.max_parallel, api_key.all_models) == (60, 2, True)
+    assert api_key.created_by is not None
+    assert authenticate_header(f"Bearer {raw_key}") == api_key
+
+
+def test_key_with_model_list(admin_client):
+    membership = MembershipFactory()
+    form = _add_form(membership.team, membership.user, all_models="", allowed_models="b, a")
+    admin_client.post(ADD, form)
+    api_key = ApiKey.objects.get()
+    assert (api_key.all_models, api_key.allowed_models) == (False, ["a", "b"])
+
+
+def test_key_user_must_belong_to_the_team(admin_client):
+    membership = MembershipFactory()
+    member_elsewhere = MembershipFactory().user
+    response = admin_client.post(ADD, _add_form(membership.team, member_elsewhere))
+    assert response.status_code == 200
+    assert response.context["adminform"].form.non_field_errors() == [ERROR_NOT_A_MEMBER]
+    nobodys = admin_client.post(ADD, _add_form(membership.team, UserFactory()))
+    assert "user" in nobodys.context["adminform"].form.errors
+    assert not ApiKey.objects.exists()
+
+
+def test_revoke_action_makes_the_next_request_fail(admin_client):
+    api_key, raw_key = api_key_with_raw()
+    response = admin_client.post(
+        CHANGELIST, {"action": "revoke_keys", "_selected_action": [api_key.pk]}
+    )
+    assert response.status_code == 302
+    with pytest.raises(AuthenticationError) as caught:
+        authenticate_header(f"Bearer {raw_key}")
+    assert caught.value.message == ERROR_REVOKED
+
+
+def test_rotate_action_shows_the_replacement_once(admin_client):
+    old, old_raw = api_key_with_raw(rpm=7, models=["m"])
+    response = admin_client.post(
+        CHANGELIST, {"action": "rotate_keys", "_selected_action": [old.pk]}
+    )
+    assert response.status_code == 200
+    assert "no-store" in response["Cache-Control"]
+    new_key, new_raw = response.context["created"][0]
+    assert new_raw in response.content.decode()
+    old.refresh_from_db()
+    assert old.is_revoked
+    assert (new_key.rpm, new_key.allowed_models, new_key.team) == (7, ["m"], old.team)
+    assert authenticate_header(f"Bearer {new_raw}") == new_key
+    with pytest.raises(AuthenticationError):
+        authenticate_header(f"Bearer {old_raw}")
+
+
+def test_status_filter(admin_client):
+    active = ApiKeyFactory()
+    revoked = ApiKeyFactory()
+    admin_client.post(CHANGELIST, {"action": "revoke_keys", "_selected_action": [revoked.pk]})
+    page = admin_client.get(CHANGELIST, {"status": "revoked"}).content.decode()
+    assert revoked.prefix in page and active.prefix not in page
+
+
+def test_keys_cannot_be_deleted(admin_client):
+    api_key = ApiKeyFactory()
+    response = admin_client.get(reverse("admin:accounts_apikey_delete", args=[api_key.pk]))
+    assert response.status_code == 403
+
+
+def _team_owner_staff(permissions: list[str]):
+    owner = UserFactory(is_staff=True)
+    owner.user_permissions.set(Permission.objects.filter(codename__in=permissions))
+    team = MembershipFactory(user=owner, role=Membership.Role.OWNER).team
+    return owner, team
+
+
+def test_staff_owner_sees_only_their_teams_keys_and_usage(client):
+    owner, team = _team_owner_staff(["view_apikey", "change_apikey", "view_usagerecord"])
+    mine = ApiKeyFactory(team=team, user=owner)
+    theirs = ApiKeyFactory(team=TeamFactory(name="other-team-zz"))
+    UsageRecordFactory(api_key=mine, request_id="req-mine")
+    UsageRecordFactory(api_key=theirs, request_id="req-theirs")
+    client.force_login(owner)
+    page = client.get(CHANGELIST).content.decode()
+    assert mine.prefix in page and theirs.prefix not in page
+    assert theirs.team.name not in page  # not even in the team filter
+    other = client.get(reverse("admin:accounts_apikey_change", args=[theirs.pk]))
+    assert other.status_code == 302  # "doesn't exist", back to the index
+    usage = client.get(reverse("admin:inference_usagerecord_changelist")).content.decode()
+    assert "req-mine" in usage and "req-theirs" not in usage
+
+
+def test_usage_search_filters_and_totals(admin_client):
+    api_key = ApiKeyFactory()
+    other = UsageRecordFactory(request_id="req-other")
+    for n in range(3):
+        record = UsageRecordFactory(api_key=api_key, request_id=f"req-{n}", model="m1")
+        usage_finish(
+            record_id=record.pk,
+            status=UsageRecord.Status.COMPLETED,
+            prompt_tokens=10,
+            completion_tokens=5,
+        )
+    url = reverse("admin:inference_usagerecord_changelist")
+    by_prefix = admin_client.get(url, {"q": f"{api_key.prefix}…"}).content.decode()
+    assert "req-0" in by_prefix and "req-other" not in by_prefix
+    by_id = admin_client.get(url, {"q": "req-other"}).content.decode()
+    assert "req-other" in by_id and "req-1" not in by_id
+    by_status = admin_client.get(url, {"status__exact": "completed"}).content.decode()
+    assert "req-2" in by_status and other.request_id not in by_status
+    totals = admin_client.get(reverse("admin:inference_usagerecord_totals"))
+    assert totals.status_code == 200
+    assert totals.context["keys"][0]["prompt_tokens"] == 30
+    assert totals.context["teams"][0]["completion_tokens"] == 15
+    assert admin_client.get(reverse("admin:inference_dailyusage_changelist")).status_code == 200
+
+
+def test_usage_is_read_only(admin_client):
+    record = UsageRecordFactory()
+    change = reverse("admin:inference_usagerecord_change", args=[record.pk])
+    assert admin_client.post(change, {"status": "completed"}).status_code == 403
+    assert admin_client.get(reverse("admin:inference_usagerecord_add")).status_code == 403
+
+
+def test_model_registry_actions(admin_client):
+    first = ModelEntryFactory(is_default=True)
+    second = ModelEntryFactory()
+    url = reverse("admin:inference_modelentry_changelist")
+    admin_client.post(url, {"action": "make_default", "_selected_action": [second.pk]})
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert (first.is_default, second.is_default) == (False, True)
+    admin_client.post(url, {"action": "disable", "_selected_action": [first.pk]})
+    assert not ModelEntry.objects.get(pk=first.pk).enabled
+    assert admin_client.get(url).status_code == 200
+
+
+def test_staff_owner_cannot_issue_keys_for_another_team(client):
+    owner, team = _team_owner_staff(["view_apikey", "add_apikey"])
+    stranger = MembershipFactory(team=TeamFactory(name="other-team-yy"))
+    client.force_login(owner)
+    form_page = client.get(ADD).content.decode()
+    assert team.name in form_page and "other-team-yy" not in form_page
+    response = client.post(ADD, _add_form(stranger.team, stranger.user))
+    assert set(response.context["adminform"].form.errors) == {"team", "user"}
+    assert not ApiKey.objects.exists()
+    client.post(ADD, _add_form(team, owner))
+    assert ApiKey.objects.get().team == team

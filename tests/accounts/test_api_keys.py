@@ -1,0 +1,125 @@
+"""Key format and the key services: digest only, recognisable prefix, find, revoke, rotate, and
+who may see which keys."""
+
+import pytest
+
+from accounts import keys
+from accounts.models import ApiKey, Membership
+from accounts.selectors import api_keys_visible_to, teams_owned_by, teams_visible_to
+from accounts.services import (
+    api_key_create,
+    api_key_find,
+    api_key_revoke,
+    api_key_rotate,
+    team_membership_ensure,
+    user_get_or_create,
+)
+from tests.factories import ApiKeyFactory, MembershipFactory, UserFactory, api_key_with_raw
+
+
+def test_generated_keys_are_well_formed_and_distinct():
+    generated = {keys.generate_key() for _ in range(200)}
+    assert len(generated) == 200
+    for raw in generated:
+        assert raw.startswith("sk-orch-") and len(raw) == 48
+        assert keys.is_well_formed(raw)
+    assert len({keys.lookup_prefix(raw) for raw in generated}) == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ["", "sk-orch-", "sk-orch-" + "a" * 39, "sk-orch-" + "a" * 41, "sk-live-" + "a" * 40,
+     "sk-orch-" + "a" * 39 + "!", " sk-orch-" + "a" * 40],
+)
+def test_malformed_keys_are_rejected(raw):
+    assert not keys.is_well_formed(raw)
+
+
+def test_digest_comparison():
+    raw = keys.generate_key()
+    assert keys.digest_matches(raw, keys.digest(raw))
+    assert not keys.digest_matches(raw[:-1] + ("A" if raw[-1] != "A" else "B"), keys.digest(raw))
+
+
+@pytest.mark.django_db
+def test_create_stores_only_prefix_and_digest():
+    api_key, raw = api_key_with_raw(name="ci", models=["b", "a", "a"], rpm=5)
+    stored = ApiKey.objects.filter(pk=api_key.pk).values().get()
+    assert raw not in str(stored)
+    assert stored["prefix"] == raw[:16]
+    assert stored["digest"] == keys.digest(raw)
+    assert (api_key.all_models, api_key.allowed_models) == (False, ["a", "b"])
+    assert api_key.allows_model("a") and not api_key.allows_model("c")
+    assert raw not in str(api_key) and raw not in repr(api_key)
+
+
+@pytest.mark.django_db
+def test_find_by_prefix_or_raw_key():
+    api_key, raw = api_key_with_raw()
+    assert api_key_find(key_or_prefix=raw) == api_key
+    assert api_key_find(key_or_prefix=f"{api_key.prefix}…") == api_key
+    wrong = raw[:-1] + ("A" if raw[-1] != "A" else "B")
+    with pytest.raises(ApiKey.DoesNotExist):
+        api_key_find(key_or_prefix=wrong)
+    with pytest.raises(ApiKey.DoesNotExist):
+        api_key_find(key_or_prefix=api_key.prefix[:-1])  # a shorter prefix could match several
+
+
+@pytest.mark.django_db
+def test_revoke_is_idempotent():
+    api_key = ApiKeyFactory()
+    first = api_key_revoke(api_key=api_key).revoked_at
+    assert first is not None
+    assert api_key_revoke(api_key=ApiKey.objects.get(pk=api_key.pk)).revoked_at == first
+
+
+@pytest.mark.django_db
+def test_rotate_copies_settings_and_revokes_the_old_key():
+    old, _ = api_key_with_raw(name="prod", rpm=1, tpm=2, max_parallel=3, budget_tokens=4)
+    new, raw = api_key_rotate(api_key=old)
+    assert keys.digest_matches(raw, new.digest)
+    assert (new.name, new.rpm, new.tpm, new.max_parallel, new.budget_tokens) == (
+        "prod", 1, 2, 3, 4,
+    )
+    assert new.team == old.team and new.user == old.user and new.all_models
+    assert ApiKey.objects.get(pk=old.pk).is_revoked and not new.is_revoked
+
+
+@pytest.mark.django_db
+def test_team_creator_owns_it_later_members_do_not():
+    alice = user_get_or_create(username="alice")
+    bob = user_get_or_create(username="bob")
+    team, first = team_membership_ensure(user=alice, team_name="t")
+    _, second = team_membership_ensure(user=bob, team_name="t")
+    assert (first.role, second.role) == (Membership.Role.OWNER, Membership.Role.MEMBER)
+    api_key, _ = api_key_create(user=bob, team=team)
+    assert api_key.team == team
+
+
+@pytest.mark.django_db
+def test_key_visibility_owner_member_and_other_team():
+    owner, member, outsider = UserFactory(), UserFactory(), UserFactory()
+    team = MembershipFactory(user=owner, role=Membership.Role.OWNER).team
+    MembershipFactory(user=member, team=team)
+    other_team = MembershipFactory(user=outsider, role=Membership.Role.OWNER).team
+    owners_key = ApiKeyFactory(team=team, user=owner)
+    members_key = ApiKeyFactory(team=team, user=member)
+    outsiders_key = ApiKeyFactory(team=other_team, user=outsider)
+
+    assert set(api_keys_visible_to(user=owner)) == {owners_key, members_key}
+    assert set(api_keys_visible_to(user=member)) == {members_key}
+    assert set(api_keys_visible_to(user=outsider)) == {outsiders_key}
+    assert set(teams_visible_to(user=member)) == {team}
+    assert set(teams_owned_by(user=member)) == set()
+    assert set(teams_owned_by(user=outsider)) == {other_team}
+    superuser = UserFactory(is_superuser=True)
+    assert api_keys_visible_to(user=superuser).count() == 3
+
+
+@pytest.mark.django_db
+def test_a_member_who_left_the_team_sees_none_of_its_keys():
+    member = UserFactory()
+    membership = MembershipFactory(user=member)
+    ApiKeyFactory(team=membership.team, user=member)
+    membership.delete()
+    assert list(api_keys_visible_to(user=member)) == []

@@ -1,0 +1,346 @@
+"""accounts.limits on both backends (the real Redis for `redis`), under real concurrency: many
+tasks at once on one event loop, and several event-loop threads (and, for Redis, several limiter
+instances standing for several processes) sharing the counters."""
+
+import asyncio
+import random
+import threading
+
+import pytest
+import redis
+from asgiref.sync import sync_to_async
+from django.test import override_settings
+from django.utils import timezone
+
+from accounts import limits
+from accounts.limits import (
+    CODE_QUOTA,
+    CODE_RATE_LIMIT,
+    ERROR_BUDGET,
+    ERROR_PARALLEL,
+    ERROR_TOO_LARGE,
+    InProcessLimiter,
+    RateLimitExceeded,
+    RedisLimiter,
+    format_duration,
+)
+from accounts.models import ApiKeyMonthlyUsage
+from accounts.selectors import month_start
+from tests.accounts.conftest import TEST_REDIS_URL, make_limited_key
+from tests.factories import ApiKeyFactory
+
+
+async def _try_admit(limiter, api_key, reserved=1):
+    try:
+        return await limiter.admit(api_key, reserved_tokens=reserved)
+    except RateLimitExceeded as exc:
+        return exc
+
+
+def _admitted(results):
+    return [r for r in results if isinstance(r, limits.Admission)]
+
+
+def test_format_duration_matches_openai():
+    assert format_duration(0) == "0s"
+    assert format_duration(20) == "20ms"
+    assert format_duration(1000) == "1s"
+    assert format_duration(1500) == "1.5s"
+    assert format_duration(360_000) == "6m0s"
+    assert format_duration(3_600_000) == "1h0m0s"
+
+
+async def test_unlimited_key_has_no_headers_and_no_state(make_limiter):
+    limiter = make_limiter()
+    admission = await limiter.admit(make_limited_key(), reserved_tokens=10**9)
+    assert admission.headers == {}
+    await admission.release(used_tokens=5)
+
+
+async def test_fifty_simultaneous_requests_admit_exactly_max_parallel(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(max_parallel=2)
+    results = await asyncio.gather(*(_try_admit(limiter, api_key) for _ in range(50)))
+    admitted = _admitted(results)
+    assert len(admitted) == 2
+    refusals = [r for r in results if isinstance(r, RateLimitExceeded)]
+    assert len(refusals) == 48
+    assert {r.code for r in refusals} == {CODE_RATE_LIMIT}
+    assert refusals[0].message == ERROR_PARALLEL.format(limit=2)
+    await admitted[0].release(used_tokens=1)
+    assert len(_admitted([await _try_admit(limiter, api_key) for _ in range(3)])) == 1
+
+
+async def test_never_more_than_max_parallel_while_fifty_requests_run(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(max_parallel=2)
+    running = 0
+    peak = 0
+
+    async def request():
+        nonlocal running, peak
+        while True:
+            try:
+                admission = await limiter.admit(api_key, reserved_tokens=1)
+                break
+            except RateLimitExceeded:
+                await asyncio.sleep(0.001)
+        running += 1
+        peak = max(peak, running)
+        try:
+            await asyncio.sleep(0.002)
+        finally:
+            running -= 1
+            await admission.release(used_tokens=1)
+
+    await asyncio.wait_for(asyncio.gather(*(request() for _ in range(50))), 30)
+    assert peak == 2
+
+
+def test_max_parallel_holds_across_event_loop_threads_and_processes(make_limiter):
+    """Four threads, each with its own event loop (and, for Redis, its own limiter instance as a
+    separate process would have) fire 50 admissions in total at once."""
+    shared = make_limiter()
+    api_key = make_limited_key(max_parallel=2)
+    start = threading.Barrier(4)
+    admitted = []
+    lock = threading.Lock()
+
+    def worker():
+        limiter = shared if make_limiter.backend == "in_process" else make_limiter()
+
+        async def burst():
+            return await asyncio.gather(*(_try_admit(limiter, api_key) for _ in range(13)))
+
+        start.wait()
+        results = asyncio.run(burst())
+        with lock:
+            admitted.extend(_admitted(results))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(admitted) == 2
+
+
+async def test_rpm_is_a_sliding_window(make_limiter):
+    limiter = make_limiter(window_seconds=0.3)
+    api_key = make_limited_key(rpm=3)
+    results = await asyncio.gather(*(_try_admit(limiter, api_key) for _ in range(10)))
+    assert len(_admitted(results)) == 3
+    refusal = next(r for r in results if isinstance(r, RateLimitExceeded))
+    assert refusal.limit == "requests"
+    assert refusal.headers["x-ratelimit-remaining-requests"] == "0"
+    assert 0 < int(refusal.headers["retry-after-ms"]) <= 300
+    await asyncio.sleep(0.35)
+    admission = await limiter.admit(api_key, reserved_tokens=1)
+    assert admission.headers["x-ratelimit-remaining-requests"] == "2"
+
+
+async def test_tpm_never_exceeded_by_concurrent_reservations(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(tpm=1000)
+    results = await asyncio.gather(*(_try_admit(limiter, api_key, 100) for _ in range(50)))
+    admitted = _admitted(results)
+    assert len(admitted) == 10
+    assert admitted[-1].headers["x-ratelimit-remaining-tokens"] in {
+        str(1000 - 100 * n) for n in range(1, 11)
+    }
+    refusal = next(r for r in results if isinstance(r, RateLimitExceeded))
+    assert refusal.limit == "tokens"
+    assert refusal.code == CODE_RATE_LIMIT
+
+
+async def test_release_corrects_tpm_from_reserved_to_used(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(tpm=1000)
+    first = await limiter.admit(api_key, reserved_tokens=900)
+    with pytest.raises(RateLimitExceeded):
+        await limiter.admit(api_key, reserved_tokens=200)
+    await first.release(used_tokens=300)
+    await first.release(used_tokens=300)  # idempotent
+    second = await limiter.admit(api_key, reserved_tokens=700)
+    assert second.headers["x-ratelimit-remaining-tokens"] == "0"
+    headers = await limiter.current_headers(api_key)
+    assert headers["x-ratelimit-limit-tokens"] == "1000"
+    assert headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+async def test_request_larger_than_tpm_is_refused_without_retry(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(tpm=100)
+    with pytest.raises(RateLimitExceeded) as caught:
+        await limiter.admit(api_key, reserved_tokens=101)
+    assert caught.value.message == ERROR_TOO_LARGE.format(limit=100, requested=101)
+    assert caught.value.headers["x-should-retry"] == "false"
+
+
+async def test_headers_on_admission_and_peek(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(rpm=10, tpm=500)
+    assert await limiter.current_headers(api_key) == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "10",
+        "x-ratelimit-reset-requests": "0s",
+        "x-ratelimit-limit-tokens": "500",
+        "x-ratelimit-remaining-tokens": "500",
+        "x-ratelimit-reset-tokens": "0s",
+    }
+    admission = await limiter.admit(api_key, reserved_tokens=50)
+    assert admission.headers == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "9",
+        "x-ratelimit-reset-requests": "1m0s",
+        "x-ratelimit-limit-tokens": "500",
+        "x-ratelimit-remaining-tokens": "450",
+        "x-ratelimit-reset-tokens": "1m0s",
+    }
+
+
+async def test_a_refusal_reserves_nothing(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(rpm=5, tpm=100, max_parallel=1)
+    held = await limiter.admit(api_key, reserved_tokens=10)
+    for _ in range(3):
+        with pytest.raises(RateLimitExceeded):
+            await limiter.admit(api_key, reserved_tokens=10)  # parallel refuses
+    headers = await limiter.current_headers(api_key)
+    assert headers["x-ratelimit-remaining-requests"] == "4"
+    assert headers["x-ratelimit-remaining-tokens"] == "90"
+    await held.release(used_tokens=10)
+
+
+async def test_cancelled_request_still_releases(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(max_parallel=1)
+
+    async def request():
+        admission = await limiter.admit(api_key, reserved_tokens=1)
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await asyncio.shield(admission.release(used_tokens=1))
+
+    task = asyncio.create_task(request())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.05)  # a shielded Redis release finishes on its own
+    admission = await limiter.admit(api_key, reserved_tokens=1)
+    await admission.release(used_tokens=1)
+
+
+async def test_a_crashed_holders_parallel_slot_comes_back_after_its_lease(make_limiter):
+    limiter = make_limiter(lease_seconds=0.2)
+    api_key = make_limited_key(max_parallel=1)
+    await limiter.admit(api_key, reserved_tokens=1)  # never released: its process "crashed"
+    with pytest.raises(RateLimitExceeded):
+        await limiter.admit(api_key, reserved_tokens=1)
+    await asyncio.sleep(0.25)
+    await limiter.admit(api_key, reserved_tokens=1)
+
+
+@pytest.mark.redis
+async def test_redis_counters_expire(redis_namespace):
+    limiter = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
+    try:
+        api_key = make_limited_key(rpm=5, tpm=50, max_parallel=2)
+        await limiter.admit(api_key, reserved_tokens=5)
+        client = redis.Redis.from_url(TEST_REDIS_URL)
+        names = list(client.scan_iter(match=f"{redis_namespace}*"))
+        assert len(names) == 5
+        assert all(0 < client.pttl(name) for name in names)
+        client.close()
+    finally:
+        limiter.close()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_budget_holds_under_sustained_concurrent_load(make_limiter, sync_thread_db):
+    """50 clients admit and release as fast as they can until the budget runs out: what they used
+    never exceeds the budget, whatever each request ends up using."""
+    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=5000)
+    limiter = make_limiter()
+    rng = random.Random(7)
+    used_total = 0
+
+    async def client():
+        nonlocal used_total
+        while True:
+            try:
+                admission = await limiter.admit(api_key, reserved_tokens=100)
+            except RateLimitExceeded as exc:
+                assert exc.code == CODE_QUOTA
+                return
+            await asyncio.sleep(0)
+            used = rng.randint(0, 100)
+            used_total += used
+            await admission.release(used_tokens=used)
+
+    await asyncio.wait_for(asyncio.gather(*(client() for _ in range(50))), 60)
+    assert 5000 - 100 < used_total <= 5000
+
+
+async def test_admission_cancelled_mid_check_reserves_nothing(make_limiter):
+    """A client that disconnects while its admission is in flight leaves no reservation."""
+    limiter = make_limiter()
+    api_key = make_limited_key(max_parallel=1, tpm=100)
+    for _ in range(20):
+        task = asyncio.create_task(limiter.admit(api_key, reserved_tokens=60))
+        await asyncio.sleep(0)
+        task.cancel()
+        try:
+            admission = await task
+        except asyncio.CancelledError:
+            pass
+        else:
+            await admission.release(used_tokens=0)
+        await asyncio.sleep(0.01)  # any undo lands
+        admission = await limiter.admit(api_key, reserved_tokens=60)
+        await admission.release(used_tokens=0)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_budget_is_seeded_from_the_month_and_never_exceeded(make_limiter, sync_thread_db):
+    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=1000)
+    month = month_start(timezone.now().date())
+    await ApiKeyMonthlyUsage.objects.acreate(api_key=api_key, month=month, tokens=400)
+    limiter = make_limiter()
+    results = await asyncio.gather(*(_try_admit(limiter, api_key, 100) for _ in range(50)))
+    admitted = _admitted(results)
+    assert len(admitted) == 6
+    refusal = next(r for r in results if isinstance(r, RateLimitExceeded))
+    assert refusal.code == CODE_QUOTA
+    assert refusal.headers["x-should-retry"] == "false"
+    assert refusal.message == ERROR_BUDGET.format(limit=1000, used=1000, requested=100)
+    for admission in admitted:
+        await admission.release(used_tokens=50)
+    # 400 + 6 * 50 used: 300 left
+    assert len(_admitted([await _try_admit(limiter, api_key, 100) for _ in range(5)])) == 3
+
+
+@pytest.mark.redis
+@pytest.mark.django_db(transaction=True)
+async def test_redis_budget_is_shared_by_processes(redis_namespace, sync_thread_db):
+    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=500)
+    first = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
+    second = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
+    try:
+        held = await first.admit(api_key, reserved_tokens=300)
+        with pytest.raises(RateLimitExceeded):
+            await second.admit(api_key, reserved_tokens=300)
+        await held.release(used_tokens=100)
+        await second.admit(api_key, reserved_tokens=400)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_get_limiter_follows_redis_url():
+    with override_settings(REDIS_URL=None):
+        assert isinstance(limits.get_limiter(), InProcessLimiter)
+    with override_settings(REDIS_URL=TEST_REDIS_URL):
+        assert isinstance(limits.get_limiter(), RedisLimiter)

@@ -1,0 +1,124 @@
+"""LocalEngineClient end to end on a tiny model: loading, prompts, sampling options, errors."""
+
+from dataclasses import replace
+
+import pytest
+
+from engine.local import LocalEngineClient
+from engine.protocol import (
+    InvalidRequestError,
+    ModelNotLoadedError,
+    ModelSpec,
+    PromptInput,
+    SamplingParams,
+)
+from engine.worker import EngineWorker
+from tests.engine.conftest import eventually, greedy, make_request
+from tests.fixtures.tiny_models import build_tiny_model
+
+
+@pytest.fixture
+async def client(tiny_llama):
+    loaded = replace(tiny_llama, info=replace(tiny_llama.info, context_length=64))
+    client = LocalEngineClient(EngineWorker(loader=lambda spec: loaded))
+    await client.ensure_model(ModelSpec(name="tiny", path="unused"))
+    yield client
+    await client.shutdown()
+
+
+async def test_ensure_model_loads_the_folder_and_shutdown_stops_it():
+    client = LocalEngineClient()
+    path = build_tiny_model(model_type="llama", tokenizer="qwen3")
+    spec = ModelSpec(name="tiny", path=str(path), context_length=64)
+    info = await client.ensure_model(spec)
+    assert info.context_length == 64 and info.vocab_size == 151669
+    assert await client.ensure_model(spec) == info  # already loaded: the same engine
+    engine = client.worker.get("tiny")
+    await client.unload_model("tiny")
+    assert not engine._thread.is_alive()
+    with pytest.raises(ModelNotLoadedError):
+        await run(client, SamplingParams())
+    await client.shutdown()
+
+
+async def run(client, params, prompt=(1000, 2000, 3000)):
+    return [o async for o in client.generate(make_request("r", prompt, params))]
+
+
+async def test_render_prompt_and_detokenize(client):
+    chat = PromptInput(
+        messages=({"role": "user", "content": "Hi"},),
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    ids = await client.render_prompt("tiny", chat)
+    assert (await client.detokenize("tiny", ids)).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert await client.render_prompt("tiny", PromptInput(token_ids=(5, 6))) == [5, 6]
+    text_ids = await client.render_prompt("tiny", PromptInput(text="Hello world"))
+    assert await client.detokenize("tiny", text_ids) == "Hello world"
+    with pytest.raises(ModelNotLoadedError):
+        await client.render_prompt("other", PromptInput(text="x"))
+
+
+async def test_stream_text_is_the_detokenized_tokens(client):
+    outputs = await run(client, greedy(12, ignore_eos=True))
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert len(tokens) == 12 and outputs[-1].finish_reason == "length"
+    assert outputs[-1].num_prompt_tokens == 3
+    assert "".join(o.text for o in outputs) == await client.detokenize("tiny", tokens)
+
+
+async def test_stop_string_is_never_emitted(client):
+    full = "".join(o.text for o in await run(client, greedy(12, ignore_eos=True)))
+    stop = full[5:8]
+    outputs = await run(client, greedy(12, ignore_eos=True, stop=(stop,)))
+    assert outputs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outputs) == full[: full.index(stop)]
+
+
+async def test_stop_token_ids_and_logprobs(client):
+    tokens = [t for o in await run(client, greedy(6, ignore_eos=True)) for t in o.token_ids]
+    stop_at = next((i for i, t in enumerate(tokens) if t not in tokens[:i] and i), 0)
+    params = greedy(6, stop_token_ids=(tokens[stop_at],), logprobs=True, top_logprobs=3)
+    outputs = await run(client, params)
+    assert [t for o in outputs for t in o.token_ids] == tokens[: stop_at + 1]
+    assert outputs[-1].finish_reason == "stop"
+    first = outputs[0].logprobs[0]
+    assert first.token_id == tokens[0] and len(first.top_logprobs) == 3
+    assert first.top_logprobs[0].token_id == tokens[0] and first.logprob == pytest.approx(
+        first.top_logprobs[0].logprob
+    )
+
+
+async def test_n_choices_each_finish(client):
+    outputs = await run(client, SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=5))
+    finished = {o.index: o.finish_reason for o in outputs if o.finish_reason}
+    assert sorted(finished) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt", "param"),
+    [
+        (SamplingParams(temperature=3.0), (1, 2), "temperature"),
+        (SamplingParams(top_logprobs=2), (1, 2), "top_logprobs"),
+        (SamplingParams(logit_bias={10**7: 1.0}), (1, 2), "logit_bias"),
+        (SamplingParams(max_tokens=60), tuple(range(1, 10)), "messages"),
+        (SamplingParams(), (), "prompt"),
+    ],
+)
+async def test_invalid_requests_fail_before_any_output(client, params, prompt, param):
+    with pytest.raises(InvalidRequestError) as info:
+        await run(client, params, prompt)
+    assert info.value.param == param
+    if param == "messages":
+        assert info.value.code == "context_length_exceeded"
+
+
+async def test_stats_report_throughput(client):
+    await run(client, greedy(20, ignore_eos=True))
+    # The engine records a step after emitting its outputs.
+    await eventually(lambda: client.worker.get("tiny").stats().num_steps >= 20)
+    (stats,) = await client.stats()
+    assert (
+        stats.model == "tiny" and stats.num_generated_tokens == 20 and stats.num_prompt_tokens == 3
+    )
+    assert stats.tokens_per_second > 0 and stats.step_time_ms > 0 and stats.num_steps >= 20

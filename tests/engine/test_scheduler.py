@@ -1,0 +1,113 @@
+"""Scheduling policy without a model: budgets, slots, chunked prefill, FIFO, removal."""
+
+import pytest
+
+from engine.protocol import GenerationRequest, RequestStatus, SamplingParams
+from engine.request import Request, Sequence
+from engine.scheduler import Scheduler
+
+
+class _State:
+    def __init__(self, params):
+        self.params = params
+
+
+def request(rid: str, num_prompt: int, *, n: int = 1, max_tokens: int = 4) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n)
+    spec = GenerationRequest(rid, "m", tuple(range(1, num_prompt + 1)), params)
+    req = Request(spec, emit=lambda output: None, max_tokens=max_tokens)
+    req.sequences = [Sequence(req, i, _State(params), detokenizer=None) for i in range(n)]
+    return req
+
+
+def simulate_step(scheduler: Scheduler, chunks: list | None = None) -> dict[str, int]:
+    """What the engine does after the runner: advance accounting, sample where caught up."""
+    plan = scheduler.schedule()
+    if chunks is not None:
+        chunks += [(c.start, c.num_tokens, c.completes_prompt) for c in plan.prefill]
+    for seq in plan.decode:
+        seq.num_computed_tokens += 1
+    for chunk in plan.prefill:
+        for seq in chunk.request.live_sequences():
+            seq.num_computed_tokens += chunk.num_tokens
+    sampled = {}
+    for req in scheduler.running:
+        for seq in req.live_sequences():
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(7)
+                sampled[req.request_id] = sampled.get(req.request_id, 0) + 1
+                if len(seq.output_token_ids) >= req.max_tokens:
+                    seq.status = RequestStatus.FINISHED_LENGTH
+    scheduler.remove_finished()
+    return sampled
+
+
+def test_decode_first_then_prefill_chunks_within_budget():
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=10)
+    scheduler.add(request("a", 3))
+    simulate_step(scheduler)  # a prefilled and sampled its first token
+    scheduler.add(request("b", 25))
+    plan = scheduler.schedule()
+    assert [s.request.request_id for s in plan.decode] == ["a"]
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.prefill] == [("b", 0, 9)]
+    assert plan.num_scheduled_tokens == 10
+
+
+def test_long_prompt_is_prefilled_in_chunks_across_steps():
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=8)
+    scheduler.add(request("a", 20, max_tokens=2))
+    chunks, sampled = [], []
+    while scheduler.has_work():
+        sampled.append(simulate_step(scheduler, chunks))
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert sampled == [{}, {}, {"a": 1}, {"a": 1}]
+
+
+def test_max_num_seqs_caps_admission_and_finished_requests_free_their_slots():
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for rid in "abc":
+        scheduler.add(request(rid, 2, max_tokens=2))
+    simulate_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a", "b"]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+    simulate_step(scheduler)  # a and b reach max_tokens
+    assert scheduler.running == [] and scheduler.num_waiting == 1
+    assert simulate_step(scheduler) == {"c": 1}
+
+
+def test_head_of_queue_is_not_overtaken_and_n_counts_sequences():
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add(request("a", 2, n=2, max_tokens=3))
+    scheduler.add(request("b", 2, n=3))
+    scheduler.add(request("c", 2, n=1))
+    assert simulate_step(scheduler) == {"a": 2}
+    assert scheduler.num_running_seqs == 2
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]  # c fits but must not pass b
+
+
+def test_all_sequences_of_a_request_share_its_prefill():
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    req = request("a", 5, n=3)
+    scheduler.add(req)
+    plan = scheduler.schedule()
+    assert len(plan.prefill) == 1 and plan.prefill[0].num_tokens == 5
+    assert all(seq.status == RequestStatus.RUNNING for seq in req.sequences)
+
+
+def test_remove_takes_waiting_or_running_requests():
+    scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=8)
+    scheduler.add(request("a", 2))
+    scheduler.add(request("b", 2))
+    simulate_step(scheduler)
+    assert scheduler.remove("b").request_id == "b"
+    assert scheduler.remove("a").request_id == "a"
+    assert scheduler.remove("a") is None
+    assert not scheduler.has_work()
+
+
+def test_rejects_budgets_that_cannot_decode_every_sequence():
+    with pytest.raises(ValueError):
+        Scheduler(max_num_seqs=8, max_num_batched_tokens=4)
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=8)
+    with pytest.raises(ValueError):
+        scheduler.add(request("a", 2, n=3))

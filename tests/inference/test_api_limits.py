@@ -1,0 +1,120 @@
+"""Per-key limits enforced at the real HTTP API: 429 bodies, x-ratelimit headers on streamed and
+non-streamed responses, and real concurrency against max_parallel."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from inference.models import UsageRecord
+from tests.inference.conftest import TINY
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+RATE_HEADERS = (
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-reset-tokens",
+)
+
+
+def client_for(live_server_url, key):
+    return openai.OpenAI(base_url=f"{live_server_url}/v1", api_key=key, max_retries=0)
+
+
+def test_rate_limit_headers_on_every_response_of_a_limited_key(
+    live_server_url, make_key, tiny_models
+):
+    key = make_key(rpm=100, tpm=100_000)
+    client = client_for(live_server_url, key)
+    raw = client.chat.completions.with_raw_response.create(
+        model=TINY, messages=MESSAGES, max_tokens=2
+    )
+    for name in RATE_HEADERS:
+        assert name in raw.headers, name
+    assert raw.headers["x-ratelimit-limit-requests"] == "100"
+    assert int(raw.headers["x-ratelimit-remaining-requests"]) == 99
+    with client.chat.completions.with_streaming_response.create(
+        model=TINY, messages=MESSAGES, max_tokens=2, stream=True
+    ) as streamed:
+        assert int(streamed.headers["x-ratelimit-remaining-requests"]) == 98
+        list(streamed.iter_lines())
+    models = client.models.with_raw_response.list()
+    assert models.headers["x-ratelimit-limit-requests"] == "100"
+
+
+def test_rpm_limit_gives_429_with_an_openai_body_and_a_rejected_row(
+    live_server_url, make_key, tiny_models
+):
+    key = make_key(rpm=2)
+    client = client_for(live_server_url, key)
+    for _ in range(2):
+        client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=1)
+    assert caught.value.code == "rate_limit_exceeded"
+    assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    statuses = sorted(UsageRecord.objects.values_list("status", flat=True))
+    assert statuses == ["completed", "completed", "rejected"]
+
+
+def test_budget_exhaustion_is_insufficient_quota(live_server_url, make_key, tiny_models):
+    key = make_key(budget_tokens=60)
+    client = client_for(live_server_url, key)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=100)
+    assert caught.value.code == "insufficient_quota"
+    ok = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=5)
+    assert ok.usage.total_tokens <= 60
+
+
+def test_fifty_simultaneous_requests_against_max_parallel_two(
+    live_server_url, make_key, tiny_models
+):
+    key = make_key(max_parallel=2)
+
+    async def one(client: httpx.AsyncClient) -> int:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": TINY,
+                "messages": MESSAGES,
+                "max_tokens": 40,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        if response.status_code == 429:
+            assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        return response.status_code
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(
+            base_url=live_server_url,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+            limits=httpx.Limits(max_connections=60),
+        ) as client:
+            return await asyncio.gather(*(one(client) for _ in range(50)))
+
+    statuses = asyncio.run(burst())
+    admitted = statuses.count(200)
+    assert admitted >= 2
+    assert statuses.count(429) == 50 - admitted
+    rows = list(UsageRecord.objects.all())
+    assert len(rows) == 50
+    completed = [r for r in rows if r.status == UsageRecord.Status.COMPLETED]
+    assert len(completed) == admitted
+    assert sum(r.status == UsageRecord.Status.REJECTED for r in rows) == 50 - admitted
+    # Never more than two admitted requests overlapping in time.
+    events = sorted(
+        [(r.started_at, 1) for r in completed] + [(r.finished_at, -1) for r in completed]
+    )
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    assert peak <= 2

@@ -1,0 +1,268 @@
+"""inference.usage: every request ends with exactly one finished row, roll-ups equal the rows,
+and the start-up sweep is safe to run from several processes at once."""
+
+import random
+import threading
+from collections import Counter, defaultdict
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.db.models import Sum
+
+from accounts.models import ApiKeyMonthlyUsage
+from accounts.selectors import month_start
+from inference.models import DailyUsage, UsageRecord
+from inference.usage import (
+    ERROR_SERVER_RESTARTED,
+    usage_close_stale,
+    usage_finish,
+    usage_open,
+    usage_records_visible_to,
+    usage_reject,
+    usage_totals,
+)
+from tests.factories import ApiKeyFactory, MembershipFactory, UsageRecordFactory, UserFactory
+
+Status = UsageRecord.Status
+
+
+def _in_threads(target, num_threads: int) -> list:
+    """Run target() in threads released together; each closes its own DB connection."""
+    barrier = threading.Barrier(num_threads)
+    results, errors = [], []
+
+    def run():
+        try:
+            barrier.wait()
+            results.append(target())
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    return results
+
+
+def _recompute_daily() -> dict:
+    """The daily roll-ups as they should be, from the finished rows alone."""
+    expected = defaultdict(Counter)
+    for row in UsageRecord.objects.exclude(status=Status.IN_PROGRESS):
+        bucket = expected[(row.started_at.date(), row.team_id, row.api_key_id, row.model)]
+        bucket["num_requests"] += 1
+        bucket[f"num_{row.status}"] += 1
+        bucket["prompt_tokens"] += row.prompt_tokens
+        bucket["cached_tokens"] += row.cached_tokens
+        bucket["completion_tokens"] += row.completion_tokens
+    return {key: {k: v for k, v in c.items() if v} for key, c in expected.items()}
+
+
+def _stored_daily() -> dict:
+    fields = [
+        "num_requests",
+        "num_completed",
+        "num_cancelled",
+        "num_failed",
+        "num_rejected",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+    ]
+    stored = {}
+    for d in DailyUsage.objects.all():
+        values = {f: getattr(d, f) for f in fields if getattr(d, f)}
+        if values:
+            stored[(d.date, d.team_id, d.api_key_id, d.model)] = values
+    return stored
+
+
+def _assert_roll_ups_match_rows() -> None:
+    assert _stored_daily() == _recompute_daily()
+    rows = UsageRecord.objects.exclude(status=Status.IN_PROGRESS)
+    by_key_month = Counter()
+    for row in rows:
+        by_key_month[(row.api_key_id, month_start(row.started_at.date()))] += (
+            row.prompt_tokens + row.completion_tokens
+        )
+    stored = {
+        (m.api_key_id, m.month): m.tokens for m in ApiKeyMonthlyUsage.objects.all() if m.tokens
+    }
+    assert stored == {k: v for k, v in by_key_month.items() if v}
+
+
+@pytest.mark.django_db
+def test_finish_records_tokens_and_rolls_up():
+    api_key = ApiKeyFactory()
+    record = usage_open(request_id="r1", api_key=api_key, model="m", endpoint="/v1/chat")
+    assert record.status == Status.IN_PROGRESS
+    assert usage_finish(
+        record_id=record.pk,
+        status=Status.COMPLETED,
+        prompt_tokens=10,
+        cached_tokens=4,
+        completion_tokens=7,
+        time_to_first_token_ms=12,
+    )
+    record.refresh_from_db()
+    assert (record.status, record.total_tokens, record.time_to_first_token_ms) == (
+        Status.COMPLETED,
+        17,
+        12,
+    )
+    assert record.finished_at is not None and record.duration_ms is not None
+    daily = DailyUsage.objects.get()
+    assert (daily.num_requests, daily.num_completed, daily.prompt_tokens) == (1, 1, 10)
+    assert ApiKeyMonthlyUsage.objects.get(api_key=api_key).tokens == 17
+
+
+@pytest.mark.django_db
+def test_a_second_finish_changes_nothing():
+    record = UsageRecordFactory()
+    assert usage_finish(record_id=record.pk, status=Status.CANCELLED, completion_tokens=3)
+    assert not usage_finish(record_id=record.pk, status=Status.COMPLETED, completion_tokens=99)
+    record.refresh_from_db()
+    assert (record.status, record.completion_tokens) == (Status.CANCELLED, 3)
+    _assert_roll_ups_match_rows()
+
+
+@pytest.mark.django_db
+def test_finish_refuses_an_unfinished_status():
+    record = UsageRecordFactory()
+    with pytest.raises(ValueError):
+        usage_finish(record_id=record.pk, status=Status.IN_PROGRESS)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_exactly_one_of_concurrent_finishes_wins():
+    record = UsageRecordFactory()
+    outcomes = _in_threads(
+        lambda: usage_finish(
+            record_id=record.pk,
+            status=random.choice([Status.COMPLETED, Status.CANCELLED]),
+            prompt_tokens=5,
+            completion_tokens=random.randint(1, 9),
+        ),
+        num_threads=8,
+    )
+    assert sorted(outcomes) == [False] * 7 + [True]
+    assert DailyUsage.objects.get().num_requests == 1
+    _assert_roll_ups_match_rows()
+
+
+@pytest.mark.django_db
+def test_reject_creates_a_finished_rolled_up_row():
+    api_key = ApiKeyFactory()
+    record = usage_reject(
+        request_id="r-429",
+        api_key=api_key,
+        model="m",
+        endpoint="/v1/completions",
+        error_code="rate_limit_exceeded",
+    )
+    assert (record.status, record.error_code) == (Status.REJECTED, "rate_limit_exceeded")
+    assert record.finished_at is not None
+    daily = DailyUsage.objects.get()
+    assert (daily.num_requests, daily.num_rejected) == (1, 1)
+    _assert_roll_ups_match_rows()
+
+
+@pytest.mark.django_db
+def test_roll_ups_recomputed_from_rows_are_equal():
+    rng = random.Random(5)
+    keys = [ApiKeyFactory() for _ in range(3)]
+    for n in range(60):
+        api_key = rng.choice(keys)
+        model = rng.choice(["a", "b"])
+        if rng.random() < 0.15:
+            usage_reject(
+                request_id=f"x{n}", api_key=api_key, model=model, endpoint="/v1/x", error_code="e"
+            )
+            continue
+        record = usage_open(request_id=f"r{n}", api_key=api_key, model=model, endpoint="/v1/x")
+        if rng.random() < 0.1:
+            continue  # still running
+        usage_finish(
+            record_id=record.pk,
+            status=rng.choice([Status.COMPLETED, Status.CANCELLED, Status.FAILED]),
+            prompt_tokens=rng.randint(0, 50),
+            cached_tokens=rng.randint(0, 5),
+            completion_tokens=rng.randint(0, 50),
+        )
+    _assert_roll_ups_match_rows()
+
+
+@pytest.mark.django_db
+def test_sweep_closes_stale_rows_as_failed():
+    old = UsageRecordFactory()
+    done = UsageRecordFactory()
+    usage_finish(record_id=done.pk, status=Status.COMPLETED, completion_tokens=2)
+    assert usage_close_stale() == 1
+    old.refresh_from_db()
+    assert (old.status, old.error_code) == (Status.FAILED, ERROR_SERVER_RESTARTED)
+    assert usage_close_stale() == 0
+    _assert_roll_ups_match_rows()
+
+
+@pytest.mark.django_db
+def test_sweep_spares_rows_younger_than_the_grace():
+    UsageRecordFactory()
+    assert usage_close_stale(older_than=timedelta(hours=1)) == 0
+
+
+@pytest.mark.django_db
+def test_a_late_real_finish_replaces_the_sweep():
+    """Another process's sweep closed a live row: its own finish still records the truth."""
+    record = UsageRecordFactory()
+    usage_close_stale()
+    assert usage_finish(
+        record_id=record.pk, status=Status.COMPLETED, prompt_tokens=4, completion_tokens=6
+    )
+    record.refresh_from_db()
+    assert (record.status, record.error_code, record.total_tokens) == (Status.COMPLETED, "", 10)
+    daily = DailyUsage.objects.get()
+    assert (daily.num_requests, daily.num_failed, daily.num_completed) == (1, 0, 1)
+    assert not usage_finish(record_id=record.pk, status=Status.FAILED)
+    _assert_roll_ups_match_rows()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_sweeps_close_each_row_once():
+    api_key = ApiKeyFactory()
+    for n in range(20):
+        UsageRecordFactory(api_key=api_key, request_id=f"s{n}")
+    closed = _in_threads(usage_close_stale, num_threads=4)
+    assert sum(closed) == 20
+    assert DailyUsage.objects.aggregate(n=Sum("num_failed"))["n"] == 20
+    _assert_roll_ups_match_rows()
+
+
+@pytest.mark.django_db
+def test_team_members_see_only_their_teams_usage():
+    alice, bob = UserFactory(), UserFactory()
+    team_a = MembershipFactory(user=alice).team
+    team_b = MembershipFactory(user=bob).team
+    record_a = UsageRecordFactory(api_key=ApiKeyFactory(team=team_a, user=alice))
+    record_b = UsageRecordFactory(api_key=ApiKeyFactory(team=team_b, user=bob))
+    assert list(usage_records_visible_to(user=alice)) == [record_a]
+    assert list(usage_records_visible_to(user=bob)) == [record_b]
+
+
+@pytest.mark.django_db
+def test_totals_per_team_and_key_come_from_roll_ups():
+    api_key = ApiKeyFactory()
+    for n in range(3):
+        record = UsageRecordFactory(api_key=api_key)
+        usage_finish(
+            record_id=record.pk, status=Status.COMPLETED, prompt_tokens=n, completion_tokens=1
+        )
+    day = record.started_at.date()
+    totals = usage_totals(daily=DailyUsage.objects.all(), since=day, until=day)
+    assert totals["teams"][0]["num_requests"] == 3
+    assert totals["keys"][0]["prompt_tokens"] == 3
+    assert totals["keys"][0]["completion_tokens"] == 3
