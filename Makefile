@@ -50,8 +50,8 @@ serve: setup
 
 test: setup
 	@sh scripts/fetch_test_tokenizers.sh
-	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m ruff check .
 ifneq ($(TEST_POSTGRES_URL),)
 	DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest $(PYTEST_ARGS) $(GATEWAY_TESTS)
 endif

@@ -1,5 +1,7 @@
 """Where the web side gets its EngineClient: the in-process worker by default."""
 
+import atexit
+
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
@@ -18,4 +20,7 @@ def get_engine_client() -> EngineClient:
         from engine.local import LocalEngineClient
 
         _client = LocalEngineClient()
+        # Stop with the web process: abort what is in flight and join the engine threads, so no
+        # thread is killed in the middle of an MLX call.
+        atexit.register(_client.worker.shutdown, 10)
     return _client

@@ -7,6 +7,7 @@ while streaming, which aborts the generation in the engine (see inference/execut
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -22,7 +23,6 @@ from accounts import limits
 from accounts.authentication import AuthenticationError, authenticate_header
 from accounts.models import ApiKey
 from engine.protocol import (
-    EngineError,
     GenerationRequest,
     InvalidRequestError,
     ModelInfo,
@@ -41,6 +41,8 @@ from inference.serializers import (
     MessageError,
     normalize_messages,
 )
+
+logger = logging.getLogger(__name__)
 
 # Sampling fields a registry entry's `default_sampling` may preset.
 SAMPLING_DEFAULTS = (
@@ -112,9 +114,13 @@ async def resolve_model(api_key: ApiKey, name: str) -> tuple[ModelEntry, ModelIn
         raise model_not_found(name)
     try:
         info = await get_engine_client().ensure_model(model_spec(entry))
-    except EngineError as exc:
+    except Exception as exc:
+        logger.exception("loading model %s from %s failed", name, entry.path)
         raise APIError(
-            503, f"The model '{name}' could not be loaded: {exc}", code=exc.code
+            503,
+            f"The model '{name}' could not be loaded; an administrator must check its registry "
+            "entry.",
+            code=getattr(exc, "code", "model_load_failed"),
         ) from None
     return entry, info
 
@@ -126,6 +132,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    json_mode: bool = False,
 ) -> SamplingParams:
     def pick(name: str, fallback: Any) -> Any:
         value = data.get(name)
@@ -153,6 +160,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=data.get("n") or 1,
+        json_mode=json_mode,
     )
 
 
@@ -266,6 +274,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         max_tokens=data.get("max_completion_tokens") or data.get("max_tokens"),
         logprobs=want_logprobs,
         top_logprobs=data.get("top_logprobs") or 0,
+        json_mode=(data.get("response_format") or {}).get("type") == "json_object",
     )
     check_sampling(sampling, info)
     sampling = fit_to_context(sampling, len(prompt_ids), info, param="messages")

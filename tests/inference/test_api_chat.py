@@ -260,3 +260,27 @@ def test_langchain_chat_openai_invoke_and_stream(live_server_url, api_key):
     assert isinstance(message.content, str) and message.content
     streamed = "".join(chunk.content for chunk in llm.stream("Say something about apples."))
     assert streamed == message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_response_format_gives_a_json_object(client, stream):
+    # The tiny model is random: unconstrained it never writes JSON, so this tests the constraint.
+    kwargs = {
+        "model": TINY,
+        "messages": [{"role": "user", "content": "Reply in JSON."}],
+        "response_format": {"type": "json_object"},
+        "max_tokens": 200,
+        "seed": 3,
+        "temperature": 0.8,
+    }
+    if stream:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        completion = client.chat.completions.create(**kwargs)
+        text, finish = completion.choices[0].message.content, completion.choices[0].finish_reason
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert finish == "length" and text.lstrip().startswith("{")

@@ -1,5 +1,8 @@
 """OpenAI error bodies and status codes from every /v1 failure, never HTML or a bare 500."""
 
+import asyncio
+import contextlib
+
 import httpx
 import openai
 import pytest
@@ -145,3 +148,37 @@ def test_completions_suffix_is_a_clear_400(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=TINY, prompt="def f():", suffix="return 1")
     assert caught.value.body["param"] == "suffix"
+
+
+def test_overloaded_model_answers_503(live_server_url, api_key, tiny_model_path):
+    from inference.models import ModelEntry
+    from inference.registry import model_register
+
+    model_register(name="tiny-one-slot", path=tiny_model_path)
+    ModelEntry.objects.filter(name="tiny-one-slot").update(max_num_seqs=1, max_waiting=1)
+    body = {
+        "model": "tiny-one-slot",
+        "messages": MESSAGES,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(
+            base_url=live_server_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+        ) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as running:
+                assert running.status_code == 200
+                # The second request waits in the model's one-place queue...
+                queued = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+                await asyncio.sleep(1.0)
+                # ...so a third one finds the queue full.
+                third = await client.post("/v1/chat/completions", json=body)
+                queued.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await queued
+                return third
+
+    third = asyncio.run(scenario())
+    assert_openai_error(third, 503, code="engine_overloaded")
