@@ -11,6 +11,7 @@ the usage row with the tokens the client actually received.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -58,6 +59,7 @@ class Execution:
     _usage_id: int | None = None
     _streams: list[AsyncIterator[GenerationOutput]] = field(default_factory=list)
     _primed: list[GenerationOutput | None] = field(default_factory=list)
+    _open_choices: list[int] = field(default_factory=list)
     _started_at: float = field(default_factory=time.monotonic)
     _first_token_ms: int | None = None
     _finished: bool = False
@@ -65,6 +67,7 @@ class Execution:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
+        self._open_choices = [r.sampling.n for r in self.requests]
 
     @property
     def reserved_tokens(self) -> int:
@@ -141,11 +144,12 @@ class Execution:
     async def outputs(self) -> AsyncIterator[ChoiceOutput]:
         status, error_code = UsageRecord.Status.CANCELLED, "client_disconnected"
         try:
-            async for index, output in self._merged():
-                self._account(output)
-                yield ChoiceOutput(index * self.choices_per_request + output.index, output)
-                if output.finish_reason == "error":
-                    status, error_code = UsageRecord.Status.FAILED, "engine_error"
+            async with contextlib.aclosing(self._merged()) as merged:
+                async for index, output in merged:
+                    self._account(output)
+                    yield ChoiceOutput(index * self.choices_per_request + output.index, output)
+                    if output.finish_reason == "error":
+                        status, error_code = UsageRecord.Status.FAILED, "engine_error"
             if status != UsageRecord.Status.FAILED:
                 status, error_code = UsageRecord.Status.COMPLETED, ""
         except EngineError as exc:
@@ -166,6 +170,8 @@ class Execution:
         counted: set[int] = set()
 
         def note_prompt(index: int, output: GenerationOutput) -> None:
+            if output.finish_reason is not None:
+                self._open_choices[index] -= 1
             # n choices share one prompt: its cached tokens count once, as OpenAI counts them.
             if index not in counted and output.num_prompt_tokens:
                 counted.add(index)
@@ -226,7 +232,9 @@ class Execution:
 
     async def _finish(self, status: str, error_code: str) -> None:
         client = get_engine_client()
-        for request in self.requests:
+        for request, num_open in zip(self.requests, self._open_choices, strict=True):
+            if not num_open:
+                continue
             try:
                 await client.abort(request.request_id)
             except Exception:
