@@ -17,10 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine  # noqa: F401, I001  (first: OpenBLAS must load before mlx)
+import engine  # noqa: F401  (first: OpenBLAS must load before mlx)
 
 # isort: split
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -28,6 +29,7 @@ from engine.batched import BatchedEngine
 from engine.loader import LoadedModel, load_model
 from engine.protocol import GenerationRequest, ModelSpec, SamplingParams
 from engine.runner import sample
+from engine.sampling import SamplingState, sample_batch
 
 BATCH_SIZES = (1, 4, 8, 16)
 
@@ -46,16 +48,22 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def run_orchard(loaded: LoadedModel, batch: list[list[int]], gen: int) -> float:
+def make_engine(loaded: LoadedModel, batch: list[list[int]], max_tokens: int) -> BatchedEngine:
+    """Orchard's batched engine with `batch` queued (greedy, EOS ignored), stepped by the caller."""
     spec = ModelSpec(name="bench", path="-", max_num_seqs=16, max_num_batched_tokens=2048)
     eng = BatchedEngine(spec, lambda: loaded)
     eng.loaded = loaded
     eng.ready.set_result(loaded.info)
     eng.setup()
-    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(batch):
         request = GenerationRequest(f"r{i}", "bench", tuple(prompt), params)
         eng.scheduler.add(eng.make_request(request, lambda output: None))
+    return eng
+
+
+def run_orchard(loaded: LoadedModel, batch: list[list[int]], gen: int) -> float:
+    eng = make_engine(loaded, batch, gen)
     start = time.perf_counter()
     while eng.scheduler.has_work():
         eng.step()
@@ -78,14 +86,18 @@ def run_mlx_lm(loaded: LoadedModel, batch: list[list[int]], gen: int) -> float:
 
 def matmul_gflops() -> float:
     a, b = mx.random.normal((1024, 1024)), mx.random.normal((1024, 1024))
-    mx.eval(a @ b)
-    start = time.perf_counter()
-    for _ in range(10):
-        mx.eval(a @ b)
-    return 10 * 2 * 1024**3 / (time.perf_counter() - start) / 1e9
+    return 2 * 1024**3 / timed(lambda: mx.eval(a @ b), repeat=10) / 1e6
+
+
+def streaming_gbps(rows: int, cols: int) -> float:
+    """fp32 weight-streaming rate: a matrix-vector product reads each weight once."""
+    w, x = mx.random.normal((rows, cols)), mx.random.normal((1, cols))
+    mx.eval(w, x)
+    return rows * cols * 4 / timed(lambda: mx.eval(x @ w.T), repeat=10) / 1e6
 
 
 def timed(fn, repeat: int = 5) -> float:
+    """Milliseconds per call, after one warm-up call."""
     fn()
     start = time.perf_counter()
     for _ in range(repeat):
@@ -93,65 +105,79 @@ def timed(fn, repeat: int = 5) -> float:
     return (time.perf_counter() - start) / repeat * 1000
 
 
-def profile(loaded: LoadedModel, prompt_tokens: int) -> None:
-    """Where a batch-16 decode step and a prefill chunk spend their time."""
-    from engine.runner import BatchRunner
+def matmuls_ms(model, num_rows: int, head: bool) -> float:
+    """The forward's weight matmuls alone: projections, and the tied vocabulary head if `head`
+    (prefill chunks never project through the vocabulary)."""
+    weights = [w for name, w in tree_flatten(model.parameters()) if name.endswith("proj.weight")]
+    if head:
+        weights.append(model.model.embed_tokens.weight)
+    x = mx.random.normal((num_rows, max(w.shape[1] for w in weights)))
+    mx.eval(x, weights)
+    return timed(lambda: mx.eval([x[:, : w.shape[1]] @ w.T for w in weights]), repeat=5)
 
+
+def profile_decode(
+    loaded: LoadedModel, size: int, prompt_tokens: int, gflops: float, gbps: float
+) -> None:
     model, info = loaded.model, loaded.info
-    num_params = sum(
-        v.size for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters())
-    )
-    gflops = matmul_gflops()
-    print(f"\nfp32 matmul 1024^3: {gflops:.1f} GFLOP/s; model parameters: {num_params / 1e6:.1f} M")
-
-    eng_requests = prompts(16, prompt_tokens, info.vocab_size)
-    spec = ModelSpec(name="bench", path="-", max_num_seqs=16, max_num_batched_tokens=2048)
-    eng = BatchedEngine(spec, lambda: loaded)
-    eng.loaded = loaded
-    eng.ready.set_result(info)
-    eng.setup()
-    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
-    for i, prompt in enumerate(eng_requests):
-        eng.scheduler.add(
-            eng.make_request(GenerationRequest(f"p{i}", "b", tuple(prompt), params), lambda o: None)
-        )
+    num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    eng = make_engine(loaded, prompts(size, prompt_tokens, info.vocab_size), max_tokens=1000)
     for _ in range(3):
         eng.step()
-    runner: BatchRunner = eng.runner
-    rows = runner._rows
-    cache = runner._cache
+    step_ms = timed(eng.step, repeat=8)
+    eng.scheduler.decodes_only_after = lambda plan: False  # lockstep: sync, then build next
+    eng.step()
+    lockstep_ms = timed(eng.step, repeat=8)
+    rows, cache = eng.runner._rows, eng.runner._cache
     inputs = mx.array([seq.token_at(seq.num_tokens - 1) for seq in rows])
-    state = [c.state for c in cache]
-
-    def forward_only():
-        for c, s in zip(cache, state, strict=True):
-            c.state = s
-        mx.eval(model(inputs[:, None], cache=cache)[:, -1, :])
-
-    def graph_only():
-        for c, s in zip(cache, state, strict=True):
-            c.state = s
-        model(inputs[:, None], cache=cache)
-
+    forward_ms = timed(lambda: mx.eval(model(inputs[:, None], cache=cache)[:, -1, :]))
+    graph_ms = timed(lambda: model(inputs[:, None], cache=cache))
+    mx.eval([layer.state for layer in cache])  # the graphs built just above
     logits = model(inputs[:, None], cache=cache)[:, -1, :]
-    mx.eval(logits)
-    for c, s in zip(cache, state, strict=True):
-        c.state = s
-    step_ms = timed(lambda: eng.step())
-    forward_ms = timed(forward_only)
-    graph_ms = timed(graph_only)
-    sample_ms = timed(lambda: sample(logits, rows))
-    ideal_ms = 2 * num_params * 16 / (gflops * 1e9) * 1000
-    print(f"decode step, batch 16: {step_ms:.1f} ms in all (Orchard's engine step)")
+    started = time.perf_counter()
+    mx.async_eval(logits)
+    async_ms = (time.perf_counter() - started) * 1000
+    greedy_ms = timed(lambda: sample(logits, rows), repeat=20)
+    tempered = [
+        SamplingState(
+            SamplingParams(temperature=1.0),
+            prompt_token_ids=(),
+            eos_token_ids=(),
+            vocab_size=info.vocab_size,
+        )
+        for _ in rows
+    ]
+    tempered_ms = timed(lambda: mx.eval(sample_batch(logits, tempered).token_ids), repeat=20)
     print(
-        f"  model forward (eval'd): {forward_ms:.1f} ms; "
-        f"of which Python graph building {graph_ms:.1f} ms"
+        f"decode step, batch {size}: {step_ms:.1f} ms per engine step running ahead, "
+        f"{lockstep_ms:.1f} ms in lockstep\n"
+        f"  model forward, eval'd: {forward_ms:.1f} ms; its weight matmuls alone "
+        f"{matmuls_ms(model, size, head=True):.1f} ms; Python graph building {graph_ms:.1f} ms; "
+        f"mx.async_eval returned after {async_ms:.1f} ms\n"
+        f"  sampling: greedy + host sync {greedy_ms:.2f} ms, temperature-only "
+        f"{tempered_ms:.2f} ms\n"
+        f"  limits: FLOPs at the 1024^3 matmul rate "
+        f"{2 * num_params * size / (gflops * 1e9) * 1000:.1f} ms; weights read once at "
+        f"the streaming rate {num_params * 4 / (gbps * 1e9) * 1000:.1f} ms",
+        flush=True,
     )
-    print(f"  sampling + one host sync: {sample_ms:.2f} ms")
-    print(f"  matmul FLOPs at the measured rate: {ideal_ms:.1f} ms")
-    print(f"  Orchard's own overhead (step - forward): {step_ms - forward_ms:.1f} ms")
 
-    chunk = eng_requests[0][:prompt_tokens] * 4
+
+def profile(loaded: LoadedModel, prompt_tokens: int) -> None:
+    """Where a batch-16 decode step and a prefill chunk spend their time."""
+    model, info = loaded.model, loaded.info
+    num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    gflops = matmul_gflops()
+    gbps = streaming_gbps(info.vocab_size, model.args.hidden_size)
+    print(
+        f"\nfp32 matmul 1024^3: {gflops:.0f} GFLOP/s; fp32 weight streaming (matrix-vector, "
+        f"{info.vocab_size}x{model.args.hidden_size}): {gbps:.1f} GB/s; "
+        f"parameters {num_params / 1e6:.1f} M ({num_params * 4 / 1e6:.0f} MB)"
+    )
+    for size in (16, 1):
+        profile_decode(loaded, size, prompt_tokens, gflops, gbps)
+
+    chunk = prompts(1, 128, info.vocab_size)[0]
 
     def prefill_chunk():
         c = make_prompt_cache(model)
@@ -159,10 +185,10 @@ def profile(loaded: LoadedModel, prompt_tokens: int) -> None:
         mx.eval([x.state for x in c])
 
     prefill_ms = timed(prefill_chunk, repeat=3)
-    ideal_prefill = 2 * num_params * len(chunk) / (gflops * 1e9) * 1000
     print(
-        f"prefill chunk of {len(chunk)} tokens: {prefill_ms:.1f} ms; "
-        f"matmul FLOPs at the measured rate {ideal_prefill:.1f} ms"
+        f"prefill chunk of {len(chunk)} tokens: {prefill_ms:.1f} ms; its weight matmuls alone "
+        f"{matmuls_ms(model, len(chunk), head=False):.1f} ms; FLOPs at the 1024^3 matmul rate "
+        f"{2 * num_params * len(chunk) / (gflops * 1e9) * 1000:.1f} ms"
     )
 
 

@@ -184,7 +184,9 @@ class EngineLoop:
             text = ""
             status = RequestStatus.FINISHED_STOPPED
         else:
-            text = seq.detokenizer.add(token)
+            text = seq.detokenizer.add(
+                token, match_stop=len(seq.output_token_ids) >= params.min_tokens
+            )
             if seq.constraint is not None:
                 seq.constraint.accept(token)
             if seq.detokenizer.stopped or (seq.constraint and seq.constraint.is_complete):
@@ -263,8 +265,9 @@ class BatchedEngine(EngineLoop):
     def step(self) -> None:
         plan = self.scheduler.schedule()
         started_at = time.perf_counter()
+        run_ahead = self._inbox.empty() and self.scheduler.decodes_only_after(plan)
         try:
-            sampled = self.runner.execute(plan)
+            sampled = self.runner.execute(plan, run_ahead=run_ahead)
         except Exception as exc:
             logger.exception("engine step failed for %s", self.spec.name)
             self._fail_running(f"{type(exc).__name__}: {exc}")

@@ -19,13 +19,16 @@ import codecs
 from collections.abc import Callable, Iterable
 
 _WHITESPACE = " \t\n\r"
+# Longest run of whitespace between tokens of the object: a newline and an indentation
+# (llama.cpp's JSON grammar allows a newline and 20 more).
+MAX_WHITESPACE_RUN = 24
 _HEX = "0123456789abcdefABCDEF"
 _ESCAPES = '"\\/bfnrt'
 _DIGITS = "0123456789"
 
 # Modes. Every state is (mode, stack, aux); stack holds the open containers ("{" / "["), aux is
 # mode-specific (string: is-key; escape \u: (is-key, hex digits left); number: its part;
-# literal: the letters still expected).
+# literal: the letters still expected; structural modes: length of the whitespace run).
 START, OBJECT_OPEN, OBJECT_KEY, COLON, VALUE, ARRAY_OPEN, AFTER_VALUE = range(7)
 STRING, ESCAPE, UNICODE, NUMBER, LITERAL, DONE = range(7, 13)
 
@@ -113,7 +116,10 @@ def advance(state: State, ch: str) -> State | None:
             return None
         return (LITERAL, stack, aux[1:]) if len(aux) > 1 else (AFTER_VALUE, stack, None)
     if ch in _WHITESPACE:
-        return state if mode != DONE else None
+        # Structural states keep their whitespace run length in aux. Bounding it keeps a model
+        # from filling the whole budget with blanks, which JSON allows and weak models love.
+        run = (aux or 0) + 1
+        return (mode, stack, run) if mode != DONE and run <= MAX_WHITESPACE_RUN else None
     if mode == START:
         return (OBJECT_OPEN, "{", None) if ch == "{" else None
     if mode == OBJECT_OPEN:

@@ -67,7 +67,6 @@ class _TokenizerInfo:
             self._bytes[token_id] = cached
         return cached
 
-
     def piece_bytes(self, token_id: int) -> bytes:
         # Not byte-level (SentencePiece, ...): byte-fallback pieces are one byte; others decode
         # alone, keeping the word-start space that decoding a lone piece drops.
@@ -190,11 +189,15 @@ class StreamDetokenizer:
         self.text = ""
         self.stopped = False
 
-    def add(self, token_id: int) -> str:
-        """Feed one token; return the newly final text (possibly empty)."""
+    def add(self, token_id: int, *, match_stop: bool = True) -> str:
+        """Feed one token; return the newly final text (possibly empty).
+
+        With `match_stop` False (before min_tokens) stop strings are neither matched nor held
+        back, so text completed then can no longer end the stream (vLLM does the same).
+        """
         if self.stopped:
             return ""
-        return self._emit(self._decoder.add(token_id), final=False)
+        return self._emit(self._decoder.add(token_id), final=not match_stop, match=match_stop)
 
     def flush(self) -> str:
         """Return the text still held back; call once after the last token."""
@@ -202,9 +205,10 @@ class StreamDetokenizer:
             return ""
         return self._emit(self._decoder.flush(), final=True)
 
-    def _emit(self, new_text: str, *, final: bool) -> str:
+    def _emit(self, new_text: str, *, final: bool, match: bool = True) -> str:
         held = self._held + new_text
-        match_at = min((i for i in (held.find(s) for s in self._stop) if i >= 0), default=-1)
+        stops = self._stop if match else ()
+        match_at = min((i for i in (held.find(s) for s in stops) if i >= 0), default=-1)
         if match_at >= 0:
             self.stopped = True
             out, self._held = held[:match_at], ""

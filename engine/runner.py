@@ -4,10 +4,11 @@ mlx-lm's batching internals move between releases; everything Orchard needs from
 so an upgrade touches this file only. The runner computes what the scheduler decided and makes
 no policy. Only the engine thread of a model calls into it.
 
-Batching follows mlx-lm's own scheme: each prompt is prefilled alone (batch 1, no padding, so
-its numbers are those of a lone request), all but its last token; its cache then joins the
-decode batch (`BatchKVCache` / `ArraysCache` merge and extend, left padding), and its last
-prompt token is fed with the decode step, whose last-position logits give its first token.
+Batching follows mlx-lm's own scheme: prompts are prefilled, all but their last token, alone
+and in chunks, or together (right padding, masked) when several start and end in one step;
+their caches then join the decode batch (`BatchKVCache` / `ArraysCache` merge and extend, left
+padding), and each last prompt token is fed with the decode step, whose last-position logits
+give the first token. In float32 the padded batch changes no greedy token (FACTS.md).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.request import Sequence
-from engine.sampling import sample_batch
+from engine.request import Request, Sequence
+from engine.sampling import SampleResult, sample_batch
 from engine.scheduler import SchedulerOutput
 
 Cache = list[Any]
@@ -57,21 +58,41 @@ def prefill(model: nn.Module, cache: Cache, token_ids: Seq[int]) -> None:
 
 def sample(logits: mx.array, seqs: list[Sequence]) -> list[Sampled]:
     """Sample one token per row of `logits` (B, V) and bring the results to the host at once."""
-    result = sample_batch(logits, [seq.sampling_state for seq in seqs])
+    return collect([(seqs, sample_batch(logits, [seq.sampling_state for seq in seqs]))])
+
+
+def _arrays(result: SampleResult) -> list[mx.array]:
     arrays = [result.token_ids]
     if result.logprobs is not None:
         arrays.append(result.logprobs)
     if result.top_ids is not None:
         arrays += [result.top_ids, result.top_logprobs]
-    mx.eval(arrays)
+    return arrays
+
+
+def collect(
+    batches: list[tuple[list[Sequence], SampleResult]], keep: set[int] | None = None
+) -> list[Sampled]:
+    """Bring sampled batches to the host with one sync; rows of sequences whose id is not in
+    `keep` (when given) are dropped, and JSON-mode rows get their constraint applied."""
+    mx.eval([array for _, result in batches for array in _arrays(result)])
+    out = []
+    for seqs, result in batches:
+        rows = [row for row, seq in enumerate(seqs) if keep is None or id(seq) in keep]
+        out += _to_host(result, seqs, rows)
+    return out
+
+
+def _to_host(result: SampleResult, seqs: list[Sequence], rows: list[int]) -> list[Sampled]:
     token_ids = result.token_ids.tolist()
     logprobs = result.logprobs.tolist() if result.logprobs is not None else None
     top_ids = result.top_ids.tolist() if result.top_ids is not None else None
     top_logprobs = result.top_logprobs.tolist() if result.top_ids is not None else None
-    if any(seq.constraint is not None for seq in seqs):
+    if any(seqs[row].constraint is not None for row in rows):
         _constrain(result.logits, seqs, token_ids, logprobs)
     out = []
-    for row, seq in enumerate(seqs):
+    for row in rows:
+        seq = seqs[row]
         params = seq.sampling_state.params
         if not params.logprobs or logprobs is None:
             out.append(Sampled(seq, token_ids[row]))
@@ -131,13 +152,24 @@ def _constrain(
 
 
 class BatchRunner:
-    """Holds the decode batch (rows, batched cache) and in-progress prefill caches."""
+    """Holds the decode batch (rows, batched cache) and in-progress prefill caches.
+
+    Running ahead (mlx-lm's `GenerationBatch` overlap): when the caller expects the next step
+    to decode the same rows, `execute` builds and starts that step on the device, fed with this
+    step's still-lazy token ids, before this step's tokens reach the host. The device then never
+    waits for Orchard's host work (sync, stop checks, detokenizing, graph building). A row that
+    finishes meanwhile just has its extra token dropped (its cache row goes with it). Rows whose
+    next token depends on host decisions (penalty history, a JSON constraint) never run ahead.
+    On MLX's CPU backend `mx.async_eval` returns only when the work is done, so there it
+    changes the order of work but overlaps nothing (bench/RESULTS.md); Metal and CUDA overlap.
+    """
 
     def __init__(self, model: nn.Module):
         self.model = model
         self._rows: list[Sequence] = []
         self._cache: Cache | None = None
         self._prefill_caches: dict[str, Cache] = {}
+        self._ahead: tuple[list[Sequence], SampleResult] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -152,16 +184,53 @@ class BatchRunner:
         self._keep_rows([i for i, seq in enumerate(self._rows) if not seq.status.is_finished])
 
     def reset(self) -> None:
-        self._rows, self._cache, self._prefill_caches = [], None, {}
+        self._rows, self._cache, self._prefill_caches, self._ahead = [], None, {}, None
 
-    def execute(self, plan: SchedulerOutput) -> list[Sampled]:
+    def execute(self, plan: SchedulerOutput, *, run_ahead: bool = False) -> list[Sampled]:
+        """Compute `plan` and return its sampled tokens; with `run_ahead`, also start the next
+        decode step of the same rows (see the class docstring)."""
         assert [id(seq) for seq in self._rows] == [id(seq) for seq in plan.decode], (
             "rows out of sync"
         )
+        joining, merged = self._prefill(plan)
+        batches = []
+        if self._ahead is not None:
+            # This step's decode is already running; sequences that finished since are dropped
+            # in `collect`, and joining ones get their first token from a forward of their own.
+            batches.append(self._ahead)
+            self._ahead = None
+            if joining:
+                batches.append((joining, self._decode(joining, merged, num_ahead=0)))
+                self._extend(joining, merged)
+        else:
+            if joining:
+                self._extend(joining, merged)
+            if self._rows:
+                batches.append((list(self._rows), self._decode(self._rows, self._cache, 0)))
+        if not batches:
+            return []
+        if run_ahead and not any(
+            seq.constraint is not None or seq.sampling_state.depends_on_history
+            for seq in self._rows
+        ):
+            self._ahead = (list(self._rows), self._decode_ahead(batches))
+        return collect(batches, keep={id(seq) for seq in self._rows})
+
+    def _prefill(self, plan: SchedulerOutput) -> tuple[list[Sequence], Cache | None]:
+        """Run the plan's prefill chunks; return the sequences whose prompt is now done (all
+        but its last token) and a batch cache holding their rows in that order."""
+        whole = [
+            chunk.request
+            for chunk in plan.prefill
+            if chunk.start == 0 and chunk.completes_prompt and chunk.num_tokens > 1
+        ]
+        together = {id(request) for request in whole} if len(whole) > 1 else set()
         joining: list[Sequence] = []
-        joining_caches: list[Cache] = []
+        caches: list[Cache] = []
         for chunk in plan.prefill:
             request = chunk.request
+            if id(request) in together:
+                continue
             cache = self._prefill_caches.setdefault(request.request_id, make_cache(self.model))
             end = chunk.start + chunk.num_tokens
             if not chunk.completes_prompt:
@@ -171,34 +240,80 @@ class BatchRunner:
             del self._prefill_caches[request.request_id]
             for seq in request.live_sequences():
                 joining.append(seq)
-                joining_caches.append(cache)
-        if joining:
-            self._join(joining, joining_caches)
-        if not self._rows:
-            return []
-        inputs = mx.array([seq.token_at(seq.num_tokens - 1) for seq in self._rows])
-        logits = self.model(inputs[:, None], cache=self._cache)[:, -1, :]
-        return sample(logits, self._rows)
+                caches.append(cache)
+        merged = _merge(caches) if caches else None
+        if together:
+            batch = self._prefill_together(whole)
+            joining += [seq for request in whole for seq in request.live_sequences()]
+            merged = batch if merged is None else _concatenate(merged, batch)
+        return joining, merged
+
+    def _prefill_together(self, requests: list[Request]) -> Cache:
+        # mlx-lm's PromptProcessingBatch scheme: right-pad to the longest prompt, mask the
+        # padding, then roll it to the left where the decode batch expects it.
+        bodies = [request.prompt_token_ids[:-1] for request in requests]
+        lengths = [len(body) for body in bodies]
+        padding = [max(lengths) - length for length in lengths]
+        cache = _merge([make_cache(self.model) for _ in requests])
+        if any(padding):
+            for layer in cache:
+                layer.prepare(lengths=lengths, right_padding=padding)
+        tokens = [[*body, *[0] * pad] for body, pad in zip(bodies, padding, strict=True)]
+        self.model(mx.array(tokens), cache=cache)
+        if any(padding):
+            for layer in cache:
+                layer.finalize()
+        rows = [i for i, request in enumerate(requests) for _ in request.live_sequences()]
+        if len(rows) > len(requests):  # n > 1: every choice gets its own copy of the rows
+            for layer in cache:
+                layer.filter(rows)
+        mx.async_eval([layer.state for layer in cache])
+        return cache
+
+    def _decode(
+        self, seqs: list[Sequence], cache: Cache, num_ahead: int, inputs: mx.array | None = None
+    ) -> SampleResult:
+        if inputs is None:
+            inputs = mx.array([seq.token_at(seq.num_tokens - 1) for seq in seqs])
+        logits = self.model(inputs[:, None], cache=cache)[:, -1, :]
+        result = sample_batch(logits, [seq.sampling_state for seq in seqs], num_ahead)
+        mx.async_eval(_arrays(result))
+        return result
+
+    def _decode_ahead(self, batches: list[tuple[list[Sequence], SampleResult]]) -> SampleResult:
+        position = {id(seq): i for i, seq in enumerate(s for seqs, _ in batches for s in seqs)}
+        token_ids = mx.concatenate([result.token_ids for _, result in batches])
+        inputs = token_ids[mx.array([position[id(seq)] for seq in self._rows])]
+        return self._decode(self._rows, self._cache, num_ahead=1, inputs=inputs)
 
     def _keep_rows(self, keep: list[int]) -> None:
         if len(keep) == len(self._rows):
             return
         if not keep:
-            self._rows, self._cache = [], None
+            self._rows, self._cache, self._ahead = [], None, None
             return
         self._rows = [self._rows[i] for i in keep]
         for layer in self._cache:
             layer.filter(keep)
 
-    def _join(self, seqs: list[Sequence], caches: list[Cache]) -> None:
-        # Merging copies, so n choices forked from one prompt cache get independent rows.
-        merged = [type(layers[0]).merge(list(layers)) for layers in zip(*caches, strict=True)]
+    def _extend(self, seqs: list[Sequence], merged: Cache) -> None:
         if self._cache is None:
             self._cache = merged
         else:
             for layer, new in zip(self._cache, merged, strict=True):
                 layer.extend(new)
         self._rows.extend(seqs)
+
+
+def _concatenate(first: Cache, second: Cache) -> Cache:
+    for layer, other in zip(first, second, strict=True):
+        layer.extend(other)
+    return first
+
+
+def _merge(caches: list[Cache]) -> Cache:
+    # Merging copies, so n choices forked from one prompt cache get independent rows.
+    return [type(layers[0]).merge(list(layers)) for layers in zip(*caches, strict=True)]
 
 
 class SequenceRunner:

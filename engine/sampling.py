@@ -14,12 +14,14 @@ Randomness: each row draws its uniform from a counter-based hash of (row key, nu
 a seeded row gives the same tokens alone or in any batch, n>1 choices differ through their
 `choice_index`, and a recomputed step (after preemption) redraws the same token.
 
-Cost on the CPU backend (2 shared cores, V=151936, float32 logits, B=1 / B=16), per call:
-all greedy 0.2 / 3-6 ms (one argmax); temperature 1.0 / 18 ms; adding top_k or top_p
-2.3 / 41 ms (one topk); penalties + bias + EOS mask on a greedy batch 0.4-0.8 / 4.4 ms;
-logprobs with top_logprobs=5 on a greedy batch 2.5 / 50 ms (half of it the argpartition).
-Elementwise `exp` is slow on MLX's CPU backend (~12 ns per element), so exponentials are taken
-as powers of two, ~3x faster; `mx.compile` gained only ~10% here, so it is not used.
+Cost on the CPU backend (2 cores, OpenBLAS, float32 logits), per call. B=16, V=49152 (the
+default model): greedy with the host sync 1.2 ms; temperature-only 5.3 ms, most of it the
+elementwise power (MLX's CPU `exp` is ~3x slower, so exponentials are powers of two). A
+Gumbel-max draw (argmax of logits + Gumbel noise) costs 8.5 ms and `mx.random.categorical`
+9.9 ms there: a random number per logit costs more than one cumsum, so temperature-only rows
+keep the inverse CDF. `mx.compile` of that path gained ~10%, not worth a second code path.
+Earlier numbers at V=151936: top_k/top_p 41 ms at B=16; penalties + bias + EOS mask on a
+greedy batch 4.4 ms; logprobs with top_logprobs=5 50 ms (half of it the argpartition).
 """
 
 from __future__ import annotations
@@ -104,22 +106,30 @@ class SamplingState:
             self._pending.append(token_id)
 
     @property
-    def _masks_stop(self) -> bool:
+    def depends_on_history(self) -> bool:
+        """Whether sampling needs the previous tokens on the host (penalties), so a step
+        cannot be sampled before the one before it has been appended."""
+        return self._penalised
+
+    def _masks_stop(self, num_ahead: int) -> bool:
         return bool(self._stop_ids) and (
-            self.params.ignore_eos or self.num_generated < self.params.min_tokens
+            self.params.ignore_eos or self.num_generated + num_ahead < self.params.min_tokens
         )
 
-    @property
-    def _needs_processing(self) -> bool:
-        return bool(self._bias) or self._masks_stop or (self._penalised and self._has_history)
+    def _needs_processing(self, num_ahead: int) -> bool:
+        return (
+            bool(self._bias)
+            or self._masks_stop(num_ahead)
+            or (self._penalised and self._has_history)
+        )
 
     @property
     def _has_history(self) -> bool:
         return bool(self._positions)
 
-    def _uniform(self) -> float:
+    def _uniform(self, num_ahead: int) -> float:
         # 23 bits, so u * total stays strictly below total in float32 (see `_sample`).
-        return (_mix64(self._key ^ _mix64(self.num_generated)) >> 41) / (1 << 23)
+        return (_mix64(self._key ^ _mix64(self.num_generated + num_ahead)) >> 41) / (1 << 23)
 
     def _penalty_history(self) -> tuple[mx.array, mx.array]:
         if self._new_ids:
@@ -152,8 +162,11 @@ class SampleResult:
     top_logprobs: mx.array | None = None
 
 
-def sample_batch(logits: mx.array, states: list[SamplingState]) -> SampleResult:
+def sample_batch(logits: mx.array, states: list[SamplingState], num_ahead: int = 0) -> SampleResult:
     """Pick the next token of each row of `logits` (B, V), row i following `states[i]`.
+
+    `num_ahead` is how many tokens each row has sampled beyond those appended to its state:
+    1 when this step is built before the previous step's tokens reached the host.
 
     Logprobs are the log-softmax of the logits after logit_bias, the EOS mask and penalties,
     before temperature and truncation: the model's own distribution, which is what OpenAI
@@ -161,17 +174,17 @@ def sample_batch(logits: mx.array, states: list[SamplingState]) -> SampleResult:
     """
     num_rows = logits.shape[0]
     assert len(states) == num_rows, "one SamplingState per logits row"
-    if any(s._needs_processing for s in states):
-        logits = _process(logits.astype(mx.float32), states)
+    if any(s._needs_processing(num_ahead) for s in states):
+        logits = _process(logits.astype(mx.float32), states, num_ahead)
 
     sample_rows = [i for i, s in enumerate(states) if not s._greedy]
     if len(sample_rows) == num_rows:
-        token_ids = _sample(logits, states)
+        token_ids = _sample(logits, states, num_ahead)
     else:
         token_ids = mx.argmax(logits, axis=-1).astype(mx.int32)
         if sample_rows:
             rows = mx.array(sample_rows, dtype=mx.int32)
-            token_ids[rows] = _sample(logits[rows], [states[i] for i in sample_rows])
+            token_ids[rows] = _sample(logits[rows], [states[i] for i in sample_rows], num_ahead)
 
     logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs]
     if not logprob_rows:
@@ -191,7 +204,7 @@ def sample_batch(logits: mx.array, states: list[SamplingState]) -> SampleResult:
     return result
 
 
-def _process(logits: mx.array, states: list[SamplingState]) -> mx.array:
+def _process(logits: mx.array, states: list[SamplingState], num_ahead: int) -> mx.array:
     num_rows, vocab_size = logits.shape
     flat = logits.reshape(-1)
 
@@ -204,7 +217,7 @@ def _process(logits: mx.array, states: list[SamplingState]) -> mx.array:
         for token_id, bias in state._bias:
             add_at.append(offset + token_id)
             add_values.append(bias)
-        if state._masks_stop:
+        if state._masks_stop(num_ahead):
             add_at.extend(offset + t for t in state._stop_ids)
             add_values.extend([-math.inf] * len(state._stop_ids))
     if add_at:
@@ -241,7 +254,7 @@ def _column(values: list[float], dtype: mx.Dtype = mx.float32) -> mx.array:
     return mx.array(values, dtype=dtype)[:, None]
 
 
-def _sample(logits: mx.array, states: list[SamplingState]) -> mx.array:
+def _sample(logits: mx.array, states: list[SamplingState], num_ahead: int) -> mx.array:
     vocab_size = logits.shape[-1]
     params = [s.params for s in states]
     logits = logits.astype(mx.float32)
@@ -286,7 +299,7 @@ def _sample(logits: mx.array, states: list[SamplingState]) -> mx.array:
     # the target stays below total, and the cdf steps up only at tokens of non-zero mass, so
     # the draw never lands on a masked token.
     cdf = mx.cumsum(probs, axis=-1)
-    target = _column([s._uniform() for s in states]) * cdf[:, -1:]
+    target = _column([s._uniform(num_ahead) for s in states]) * cdf[:, -1:]
     return (cdf <= target).sum(axis=-1).astype(mx.int32)
 
 

@@ -101,6 +101,19 @@ class Scheduler:
             budget -= chunk.num_tokens
         return output
 
+    def decodes_only_after(self, plan: SchedulerOutput) -> bool:
+        """Whether the step after `plan`, unless requests arrive or stop early, decodes the same
+        sequences and prefills nothing: then it can start before this step's tokens are known.
+        Not when every sequence reaches max_tokens in `plan`: that step would be wasted."""
+        completing = [chunk.request for chunk in plan.prefill if chunk.completes_prompt]
+        if self.waiting or any(
+            request.sequences[0].is_prefilling and request not in completing
+            for request in self.running
+        ):
+            return False
+        sampling = plan.decode + [seq for request in completing for seq in request.sequences]
+        return any(len(seq.output_token_ids) + 1 < seq.request.max_tokens for seq in sampling)
+
     @staticmethod
     def _chunk(request: Request, budget: int) -> PrefillChunk | None:
         lead = request.sequences[0]

@@ -10,7 +10,7 @@ from mlx_lm.tokenizer_utils import load
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import StreamDetokenizer, token_text
+from engine.detokenizer import StreamDetokenizer, token_bytes, token_text
 
 TOKENIZERS = Path(__file__).resolve().parents[2] / "var" / "cache" / "tokenizers"
 TEXT = "Héllo wörld! 😀🎉 日本語のテキスト, naïve café.\n  Indented   spaces\tand tabs 👩‍👩‍👧 end"
@@ -128,3 +128,12 @@ def test_token_text(tokenizer):
         for p in pieces
     )
     assert raw.decode() == "😀"
+
+
+def test_token_bytes_concatenate_to_the_decoded_text(tokenizer, spm_tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert b"".join(token_bytes(tokenizer, i) for i in ids).decode() == TEXT
+    # Generic path: pieces keep their word-start space, so only the first one differs.
+    text = "Hello world, héllo 😀 日本. The End!"
+    ids = spm_tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(token_bytes(spm_tokenizer, i) for i in ids).decode() == " " + text

@@ -12,6 +12,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from engine.protocol import SamplingParams
+from engine.runner import BatchRunner
+from engine.scheduler import Scheduler
 from tests.engine.conftest import greedy, make_request, run_batched, run_simple
 
 MAX_TOKENS = 10
@@ -80,3 +82,64 @@ def test_seeded_sampling_is_identical_alone_and_batched(tiny_model):
     assert alone["s1"].tokens("s1", 0) != alone["s1"].tokens("s1", 1), "choices use their own keys"
     again = run_batched(tiny_model, [requests[1]])
     assert again.tokens("s1", 1) == alone["s1"].tokens("s1", 1)
+
+
+@pytest.mark.slow
+def test_running_ahead_changes_nothing(tiny_llama, monkeypatch):
+    """Steps started before the previous tokens reach the host give the same tokens and
+    logprobs, also when rows finish at different steps, need min_tokens, or use penalties."""
+    batch = prompts(6, tiny_llama.info.vocab_size)
+    variants = [
+        greedy(4, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=9, min_tokens=5, n=2),
+        greedy(7, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=1.2, seed=2, top_k=20, max_tokens=MAX_TOKENS, ignore_eos=True),
+        greedy(MAX_TOKENS, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.5, seed=3, max_tokens=3),
+    ]
+    requests = [
+        make_request(f"a{i}", p, v) for i, (p, v) in enumerate(zip(batch, variants, strict=True))
+    ]
+    join_at = [0, 0, 1, 4, 4, 6]
+    ahead_steps = []
+    original = BatchRunner.execute
+
+    def spy(self, plan, *, run_ahead=False):
+        ahead_steps.append(self._ahead is not None)
+        return original(self, plan, run_ahead=run_ahead)
+
+    monkeypatch.setattr(BatchRunner, "execute", spy)
+    ahead = run_batched(tiny_llama, requests, join_at=join_at)
+    assert sum(ahead_steps) >= 3, "some decode steps ran ahead"
+    monkeypatch.setattr(Scheduler, "decodes_only_after", lambda self, plan: False)
+    ahead_steps.clear()
+    lockstep = run_batched(tiny_llama, requests, join_at=join_at)
+    assert not any(ahead_steps)
+    for request in requests:
+        for index in range(request.sampling.n):
+            key = (request.request_id, index)
+            assert ahead.events[key] == lockstep.events[key], key
+
+
+@pytest.mark.slow
+def test_prompts_prefilled_together_match_prompts_prefilled_alone(tiny_model, monkeypatch):
+    batch = prompts(4, tiny_model.info.vocab_size)
+    requests = [
+        make_request(f"t{i}", p, greedy(6, ignore_eos=True, n=2 if i == 1 else 1))
+        for i, p in enumerate(batch)
+    ]
+    together = []
+    original = BatchRunner._prefill_together
+
+    def spy(self, group):
+        together.append(len(group))
+        return original(self, group)
+
+    monkeypatch.setattr(BatchRunner, "_prefill_together", spy)
+    batched = run_batched(tiny_model, requests)
+    assert together == [4], "one padded prefill of all four prompts"
+    for request in requests:
+        rid = request.request_id
+        alone = run_batched(tiny_model, [replace(request, sampling=replace(request.sampling, n=1))])
+        for index in range(request.sampling.n):
+            assert batched.tokens(rid, index) == alone.tokens(rid), (rid, index)

@@ -10,7 +10,13 @@ from dataclasses import replace
 
 import pytest
 
-from engine.constraints import INITIAL, JsonConstraint, advance_text, closing_text
+from engine.constraints import (
+    INITIAL,
+    MAX_WHITESPACE_RUN,
+    JsonConstraint,
+    advance_text,
+    closing_text,
+)
 from engine.protocol import SamplingParams
 from tests.engine.conftest import greedy, make_request, run_batched, run_simple
 
@@ -70,6 +76,13 @@ def test_invalid_documents_are_rejected_at_the_first_wrong_character(text):
     assert state is None or closing_text(state) != "", text
 
 
+def test_whitespace_runs_are_bounded_outside_strings():
+    indent = "\n" + " " * (MAX_WHITESPACE_RUN - 1)
+    assert advance_text(INITIAL, "{" + indent + '"a":' + indent + "1" + indent + "}") is not None
+    assert advance_text(INITIAL, "{" + indent + " ") is None
+    assert advance_text(INITIAL, '{"' + " " * 100) is not None, "strings hold any spaces"
+
+
 def test_random_text_is_accepted_only_as_a_prefix_of_some_object():
     rng = random.Random(0)
     alphabet = '{}[]":,- 0123456789.eE+truefalsn\\u"ab'
@@ -84,7 +97,8 @@ def test_random_text_is_accepted_only_as_a_prefix_of_some_object():
 
 
 def test_constraint_handles_characters_split_across_tokens():
-    pieces = {1: b'{"', 2: "日".encode()[:2], 3: "日".encode()[2:] + b'"', 4: b":1}", 5: b"\xe6", 9: b""}
+    day = "日".encode()
+    pieces = {1: b'{"', 2: day[:2], 3: day[2:] + b'"', 4: b":1}", 5: b"\xe6", 9: b""}
     constraint = JsonConstraint(pieces.__getitem__, lambda text: [0], banned={9})
     constraint.accept(1)
     assert not constraint.allows(9), "special tokens add no text and are never allowed"
@@ -109,8 +123,9 @@ def test_forced_token_starts_closing_when_tokens_run_out():
 
 def completions(collector, request, n=1):
     for index in range(n):
-        yield collector.text(request.request_id, index), collector.finish_reason(
-            request.request_id, index
+        yield (
+            collector.text(request.request_id, index),
+            collector.finish_reason(request.request_id, index),
         )
 
 
@@ -150,9 +165,7 @@ def test_json_mode_greedy_is_identical_alone_batched_and_simple(tiny_llama):
         )
         for i, p in enumerate(prompts)
     ]
-    others = [
-        make_request(f"o{i}", p, greedy(30, ignore_eos=True)) for i, p in enumerate(prompts)
-    ]
+    others = [make_request(f"o{i}", p, greedy(30, ignore_eos=True)) for i, p in enumerate(prompts)]
     batched = run_batched(tiny_llama, requests + others, join_at=[0, 1, 1, 2, 0, 0, 2, 3])
     simple = run_simple(tiny_llama, requests)
     for request in requests:

@@ -1,5 +1,6 @@
 """LocalEngineClient end to end on a tiny model: loading, prompts, sampling options, errors."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -73,6 +74,20 @@ async def test_stop_string_is_never_emitted(client):
     outputs = await run(client, greedy(12, ignore_eos=True, stop=(stop,)))
     assert outputs[-1].finish_reason == "stop"
     assert "".join(o.text for o in outputs) == full[: full.index(stop)]
+
+
+async def test_stop_string_does_not_end_a_stream_before_min_tokens(client):
+    full = "".join(o.text for o in await run(client, greedy(12, ignore_eos=True)))
+    stop = full[:3]  # completed by the first token or two
+    outputs = await run(client, greedy(12, ignore_eos=True, stop=(stop,), min_tokens=6))
+    assert len([t for o in outputs for t in o.token_ids]) >= 6
+    assert "".join(o.text for o in outputs).startswith(stop)
+
+
+async def test_json_mode_stream_is_one_object(client):
+    outputs = await run(client, greedy(20, json_mode=True))
+    assert isinstance(json.loads("".join(o.text for o in outputs)), dict)
+    assert outputs[-1].finish_reason == "stop"
 
 
 async def test_stop_token_ids_and_logprobs(client):

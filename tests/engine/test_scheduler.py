@@ -111,3 +111,21 @@ def test_rejects_budgets_that_cannot_decode_every_sequence():
     scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=8)
     with pytest.raises(ValueError):
         scheduler.add(request("a", 2, n=3))
+
+
+def test_decodes_only_after_a_plan_when_nothing_waits_prefills_or_ends():
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=8)
+    first = request("a", 6, max_tokens=3)
+    scheduler.add(first)
+    plan = scheduler.schedule()
+    assert scheduler.decodes_only_after(plan), "its prompt completes in this step"
+    seq = first.sequences[0]
+    seq.num_computed_tokens, seq.output_token_ids = 6, [7]
+    scheduler.add(request("b", 12))
+    assert not scheduler.decodes_only_after(scheduler.schedule()), "b still prefills"
+
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler.running.append(first)
+    seq.output_token_ids = [7, 7]
+    seq.num_computed_tokens = 7
+    assert not scheduler.decodes_only_after(scheduler.schedule()), "a samples its last token"
