@@ -1,13 +1,17 @@
 """LocalEngineClient: the engine in this process, behind the asyncio `EngineClient` interface.
 
-Outputs cross from the engine thread with `loop.call_soon_threadsafe` into a per-request
-`asyncio.Queue`. Leaving the stream early (closing the iterator, or cancelling the task that
-consumes it) sends an abort, which the engine applies before its next step.
+Outputs cross from the engine thread into a per-request `asyncio.Queue`. Outputs for one event
+loop are coalesced: while a delivery is pending, new ones join it, so a batch step wakes the loop
+about once rather than once per token per sequence. Leaving the stream early (closing the
+iterator, or cancelling the task that consumes it) sends an abort, which the engine applies
+before its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections.abc import AsyncIterator
 
 from jinja2 import TemplateError
@@ -26,9 +30,43 @@ from engine.protocol import (
 from engine.worker import EngineWorker
 
 
+class _LoopMailbox:
+    """Outputs posted from engine threads to one event loop, delivered in batches."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, GenerationOutput]] = []
+
+    def post(self, queue: asyncio.Queue, output: GenerationOutput) -> None:
+        with self._lock:
+            self._pending.append((queue, output))
+            if len(self._pending) > 1:
+                return  # a delivery is already scheduled and will take this one too
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, output in pending:
+            queue.put_nowait(output)
+
+
 class LocalEngineClient(EngineClient):
     def __init__(self, worker: EngineWorker | None = None):
         self.worker = worker or EngineWorker()
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> _LoopMailbox:
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = _LoopMailbox(loop)
+        return mailbox
 
     async def ensure_model(self, spec: ModelSpec) -> ModelInfo:
         return await asyncio.wrap_future(self.worker.load(spec))
@@ -49,14 +87,11 @@ class LocalEngineClient(EngineClient):
         return self._generate(request)
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox(asyncio.get_running_loop())
         outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
 
         def emit(output: GenerationOutput) -> None:
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, output)
-            except RuntimeError:
-                pass  # the event loop is closed: nobody is listening any more
+            mailbox.post(outputs, output)
 
         self.worker.submit(request, emit)
         num_open = request.sampling.n
