@@ -31,12 +31,13 @@ import platform  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+
+from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
 MODEL = "smollm2"
 MODEL_DIR = ROOT / "var" / "cache" / "test-models" / "smollm2-135m-f32"
@@ -73,12 +74,6 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
         time.sleep(30)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def setup_home(home: Path) -> tuple[str, str]:
     """Migrate a fresh database under `home`, register the model; return (unlimited, limited)."""
     os.environ.update({"ORCHARD_HOME": str(home), "DJANGO_SETTINGS_MODULE": "config.settings"})
@@ -105,47 +100,6 @@ def setup_home(home: Path) -> tuple[str, str]:
     _, unlimited = api_key_create(user=user, team=team, name="unlimited")
     _, limited = api_key_create(user=user, team=team, name="limited", **HIGH_LIMITS)
     return unlimited, limited
-
-
-def start_server(home: Path, port: int) -> subprocess.Popen:
-    log = open(home / "server.log", "wb")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "daphne",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "config.asgi:application",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"daphne exited early:\n{(home / 'server.log').read_text()}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return process
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError("daphne did not start") from None
-            time.sleep(0.1)
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def messages(tag: str, index: int) -> list[dict[str, str]]:
@@ -367,12 +321,12 @@ def main() -> None:
     try:
         unlimited, limited = setup_home(home)
         port = free_port()
-        server = start_server(home, port)
+        server = start_daphne(port=port, env=dict(os.environ), log_path=home / "server.log")
         print(f"daphne pid {server.pid} on port {port}", flush=True)
         results = asyncio.run(measure(args, f"http://127.0.0.1:{port}", unlimited, limited))
     finally:
         if server is not None:
-            stop_server(server)
+            stop_daphne(server)
         shutil.rmtree(home, ignore_errors=True)
     load_after = load_average()
     block = "\n".join(

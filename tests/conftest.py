@@ -5,30 +5,19 @@ import engine  # noqa: F401  (OpenBLAS before anything imports mlx)
 
 # isort: split
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from django.conf import settings
 
+from tests.fixtures.daphne import free_port, start_daphne, stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _server_env() -> dict[str, str]:
     from django.db import connection
 
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings"}
     db = connection.settings_dict
     if db["ENGINE"].endswith("sqlite3"):
         env["ORCHARD_SQLITE_PATH"] = str(db["NAME"])
@@ -44,44 +33,11 @@ def _server_env() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def live_server_url(django_db_setup, tmp_path_factory):
     """A real daphne serving config.asgi; the engine runs inside it, as in `make serve`."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("daphne") / "server.log"
-    log = open(log_path, "wb")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "daphne",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "config.asgi:application",
-        ],
-        cwd=ROOT,
-        env=_server_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"daphne exited early:\n{log_path.read_text()}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"daphne did not start:\n{log_path.read_text()}") from None
-            time.sleep(0.1)
+    process = start_daphne(port=port, env=_server_env(), log_path=log_path)
     yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    log.close()
+    stop_daphne(process)
 
 
 @pytest.fixture(scope="session")
