@@ -1,5 +1,7 @@
-"""Everything under /v1 answers in OpenAI's shape: an `x-request-id` on every response, and JSON
-error bodies instead of Django's HTML pages, even for unknown paths and unexpected exceptions."""
+"""Everything under /v1 answers in OpenAI's shape: an `x-request-id` on every response, the
+key's `x-ratelimit-*` headers on every response once the key is known (errors included), and
+JSON error bodies instead of Django's HTML pages, even for unknown paths and unexpected
+exceptions."""
 
 import logging
 import uuid
@@ -7,6 +9,7 @@ import uuid
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
+from accounts import limits
 from inference.errors import APIError, error_response
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,14 @@ class OpenAIApiMiddleware:
         if response.status_code >= 400 and not isinstance(response, JsonResponse):
             response = error_response(_error_for_status(response.status_code))
         response["x-request-id"] = request.orchard_request_id
+        api_key = getattr(request, "orchard_api_key", None)
+        if api_key is not None and not any(
+            name.lower().startswith("x-ratelimit-") for name in response.headers
+        ):
+            # Responses that did not go through admission (errors, /v1/models) show the key's
+            # current standing; generated ones already carry what admission computed.
+            for name, value in (await limits.current_headers(api_key)).items():
+                response[name] = value
         return response
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:

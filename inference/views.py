@@ -19,7 +19,6 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from rest_framework import serializers
 
-from accounts import limits
 from accounts.authentication import AuthenticationError, authenticate_header
 from accounts.models import ApiKey
 from engine.protocol import (
@@ -59,9 +58,11 @@ SAMPLING_DEFAULTS = (
 
 async def authenticate(request: HttpRequest) -> ApiKey:
     try:
-        return await sync_to_async(authenticate_header)(request.headers.get("Authorization"))
+        api_key = await sync_to_async(authenticate_header)(request.headers.get("Authorization"))
     except AuthenticationError as exc:
         raise APIError(401, exc.message, code=exc.code) from None
+    request.orchard_api_key = api_key  # for the middleware's x-ratelimit-* headers
+    return api_key
 
 
 def parse_json_body(request: HttpRequest) -> dict[str, Any]:
@@ -227,8 +228,7 @@ async def render(model: str, prompt: PromptInput, *, param: str) -> list[int]:
 async def models_list(request: HttpRequest) -> HttpResponse:
     api_key = await authenticate(request)
     entries = await sync_to_async(models_for_key)(api_key)
-    body = {"object": "list", "data": [_model_object(entry) for entry in entries]}
-    return json_response(body, await limits.current_headers(api_key))
+    return JsonResponse({"object": "list", "data": [_model_object(entry) for entry in entries]})
 
 
 @csrf_exempt
@@ -238,7 +238,7 @@ async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
     entry = await sync_to_async(model_for_key)(api_key, model_id)
     if entry is None:
         raise model_not_found(model_id)
-    return json_response(_model_object(entry), await limits.current_headers(api_key))
+    return JsonResponse(_model_object(entry))
 
 
 def _model_object(entry: ModelEntry) -> dict[str, Any]:

@@ -118,3 +118,17 @@ def test_fifty_simultaneous_requests_against_max_parallel_two(
         running += delta
         peak = max(peak, running)
     assert peak <= 2
+
+
+def test_error_responses_of_a_limited_key_carry_rate_limit_headers(
+    live_server_url, make_key, tiny_models
+):
+    key = make_key(rpm=100, tpm=100_000)
+    headers = {"Authorization": f"Bearer {key}"}
+    url = f"{live_server_url}/v1/chat/completions"
+    not_found = httpx.post(url, json={"model": "nope", "messages": MESSAGES}, headers=headers)
+    invalid = httpx.post(url, json={"model": TINY, "messages": MESSAGES, "n": 0}, headers=headers)
+    for response, status in ((not_found, 404), (invalid, 400)):
+        assert response.status_code == status
+        assert response.headers["x-ratelimit-limit-requests"] == "100"
+        assert response.headers["x-ratelimit-limit-tokens"] == "100000"
