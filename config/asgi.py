@@ -16,3 +16,10 @@ application = ProtocolTypeRouter(
         "http": django_asgi_app,
     }
 )
+
+from django.conf import settings  # noqa: E402
+
+if settings.ORCHARD_PRELOAD_MODELS:
+    from inference.engine_access import preload_models
+
+    preload_models()

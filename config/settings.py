@@ -134,8 +134,9 @@ REST_FRAMEWORK = {
 # Orchard
 ORCHARD_MODELS_DIR = ORCHARD_HOME / "models"
 ORCHARD_ENGINE = env_str("ORCHARD_ENGINE", "local")  # "local" today; "remote" with runengine later
-# Load the enabled models when the web process starts instead of on their first request.
-ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", False)
+# Load the enabled models when the web process starts, so the first request does not wait for
+# them; models registered later load on their first request.
+ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", True)
 ORCHARD_KEY_PREFIX = "sk-orch-"
 
 LOGGING = {

@@ -26,6 +26,11 @@ class EngineClient(abc.ABC):
         info."""
 
     @abc.abstractmethod
+    def start_loading(self, spec: ModelSpec) -> None:
+        """Begin loading a model without waiting (at web-process start); a later `ensure_model`
+        for the same spec waits for this load instead of starting another."""
+
+    @abc.abstractmethod
     async def unload_model(self, name: str) -> None:
         """Stop serving a model; its in-flight requests end with finish_reason "abort"."""
 

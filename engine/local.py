@@ -10,6 +10,8 @@ before its next step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -28,6 +30,8 @@ from engine.protocol import (
     PromptInput,
 )
 from engine.worker import EngineWorker
+
+logger = logging.getLogger(__name__)
 
 
 class _LoopMailbox:
@@ -70,6 +74,13 @@ class LocalEngineClient(EngineClient):
 
     async def ensure_model(self, spec: ModelSpec) -> ModelInfo:
         return await asyncio.wrap_future(self.worker.load(spec))
+
+    def start_loading(self, spec: ModelSpec) -> None:
+        def report(future: concurrent.futures.Future) -> None:
+            if future.exception() is not None:
+                logger.error("model %s could not be loaded: %s", spec.name, future.exception())
+
+        self.worker.load(spec).add_done_callback(report)
 
     async def unload_model(self, name: str) -> None:
         await asyncio.to_thread(self.worker.unload, name)

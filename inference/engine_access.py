@@ -1,12 +1,14 @@
 """Where the web side gets its EngineClient: the in-process worker by default."""
 
 import atexit
+import logging
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from engine.client import EngineClient
 
+logger = logging.getLogger(__name__)
 _client: EngineClient | None = None
 
 
@@ -24,3 +26,21 @@ def get_engine_client() -> EngineClient:
         # thread is killed in the middle of an MLX call.
         atexit.register(_client.worker.shutdown, 10)
     return _client
+
+
+def preload_models() -> None:
+    """Start loading every enabled model at web-process start, without waiting: the server
+    listens at once, and a request that arrives first waits for its model's load. A model that
+    cannot load is logged and answers 503 on its requests."""
+    from inference.models import ModelEntry
+    from inference.registry import model_spec
+
+    try:
+        entries = list(ModelEntry.objects.filter(enabled=True))
+    except Exception:
+        logger.warning("model preload skipped: the database is not ready (run migrate)")
+        return
+    client = get_engine_client()
+    for entry in entries:
+        logger.info("loading model %s from %s", entry.name, entry.path)
+        client.start_loading(model_spec(entry))
