@@ -4,30 +4,13 @@ test database) and registered models for the API tests."""
 import engine  # noqa: F401  (OpenBLAS before anything imports mlx)
 
 # isort: split
-import os
 from pathlib import Path
 
 import pytest
 from django.conf import settings
 
-from tests.fixtures.daphne import free_port, start_daphne, stop_daphne
+from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
-
-
-def _server_env() -> dict[str, str]:
-    from django.db import connection
-
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings"}
-    db = connection.settings_dict
-    if db["ENGINE"].endswith("sqlite3"):
-        env["ORCHARD_SQLITE_PATH"] = str(db["NAME"])
-        env.pop("DATABASE_URL", None)
-    else:
-        env["DATABASE_URL"] = (
-            f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:"
-            f"{db['PORT'] or 5432}/{db['NAME']}"
-        )
-    return env
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +18,7 @@ def live_server_url(django_db_setup, tmp_path_factory):
     """A real daphne serving config.asgi; the engine runs inside it, as in `make serve`."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("daphne") / "server.log"
-    process = start_daphne(port=port, env=_server_env(), log_path=log_path)
+    process = start_daphne(port=port, env=server_env(), log_path=log_path)
     yield f"http://127.0.0.1:{port}"
     stop_daphne(process)
 

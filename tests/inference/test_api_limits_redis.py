@@ -1,0 +1,84 @@
+"""With REDIS_URL set, every web process shares one set of counters: two daphne processes
+serving the same key never admit more than its max_parallel between them."""
+
+import asyncio
+
+import httpx
+import pytest
+import redis
+
+from inference.models import UsageRecord
+from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
+from tests.inference.conftest import TINY
+
+REDIS_URL = "redis://127.0.0.1:6379/15"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def two_servers(django_db_setup, tmp_path_factory):
+    env = {**server_env(), "REDIS_URL": REDIS_URL}
+    servers = []
+    try:
+        for index in range(2):
+            port = free_port()
+            log_path = tmp_path_factory.mktemp(f"daphne-redis-{index}") / "server.log"
+            servers.append((start_daphne(port=port, env=env, log_path=log_path), port))
+        yield [f"http://127.0.0.1:{port}" for _, port in servers]
+    finally:
+        for process, _ in servers:
+            stop_daphne(process)
+
+
+def peak_overlap(rows: list[UsageRecord]) -> int:
+    events = sorted([(r.started_at, 1) for r in rows] + [(r.finished_at, -1) for r in rows])
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.redis
+def test_max_parallel_holds_across_two_processes(two_servers, make_key, tiny_models):
+    key = make_key(max_parallel=2)
+    body = {
+        "model": TINY,
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    async def burst() -> list[int]:
+        clients = [
+            httpx.AsyncClient(
+                base_url=url,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+                limits=httpx.Limits(max_connections=30),
+            )
+            for url in two_servers
+        ]
+        try:
+            responses = await asyncio.gather(
+                *(clients[i % 2].post("/v1/chat/completions", json=body) for i in range(50))
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+        return [r.status_code for r in responses]
+
+    try:
+        statuses = asyncio.run(burst())
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        for name in client.scan_iter(f"*{key[:16]}*"):
+            client.delete(name)
+    admitted = statuses.count(200)
+    assert admitted >= 2
+    assert statuses.count(429) == 50 - admitted
+    completed = list(UsageRecord.objects.filter(status=UsageRecord.Status.COMPLETED))
+    assert len(completed) == admitted
+    assert {r.request_id for r in completed}  # rows from both processes land in one database
+    assert peak_overlap(completed) <= 2
