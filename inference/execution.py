@@ -93,14 +93,25 @@ class Execution:
             )
             raise APIError(429, exc.message, code=exc.code, headers=exc.headers) from None
         self.headers = dict(self._admission.headers)
-        try:
-            record = await sync_to_async(usage_open)(
+        opening = asyncio.ensure_future(
+            sync_to_async(usage_open)(
                 request_id=self.request_id,
                 api_key=self.api_key,
                 model=self.model,
                 endpoint=self.endpoint,
                 reserved_tokens=self.reserved_tokens,
             )
+        )
+        try:
+            record = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The client left while the row was being written: the write goes on in its thread,
+            # so wait for it and finish the row as cancelled rather than leave it open.
+            try:
+                self._usage_id = (await opening).pk
+            finally:
+                await self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected")
+            raise
         except BaseException:
             await asyncio.shield(self._admission.release(used_tokens=0))
             raise
