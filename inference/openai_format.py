@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.protocol import TokenLogprob
+from inference.errors import APIError
 from inference.execution import ChoiceOutput, Execution
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -97,6 +98,71 @@ async def aggregate(execution: Execution, num_choices: int) -> list[ChoiceAggreg
 
 def is_failure(finish_reason: str | None) -> bool:
     return finish_reason in ("error", "abort")
+
+
+def _raise_on_failure(choices: list[ChoiceAggregate]) -> None:
+    for choice in choices:
+        if is_failure(choice.finish_reason):
+            raise APIError(500, stream_error_payload(choice.finish_reason)["error"]["message"])
+
+
+def chat_completion_body(
+    execution: Execution,
+    choices: list[ChoiceAggregate],
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    want_logprobs: bool,
+) -> dict[str, Any]:
+    _raise_on_failure(choices)
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+                "logprobs": {"content": c.chat_logprobs} if want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for index, c in enumerate(choices)
+        ],
+        "usage": execution.usage(),
+    }
+
+
+def text_completion_body(
+    execution: Execution,
+    choices: list[ChoiceAggregate],
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    echo_texts: list[str] | None,
+    want_logprobs: bool,
+) -> dict[str, Any]:
+    _raise_on_failure(choices)
+    per_prompt = execution.choices_per_request
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "text": (echo_texts[index // per_prompt] if echo_texts else "") + "".join(c.text),
+                "logprobs": c.completion_logprobs.as_dict() if want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for index, c in enumerate(choices)
+        ],
+        "usage": execution.usage(),
+    }
 
 
 async def chat_chunks(

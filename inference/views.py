@@ -299,32 +299,15 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         )
         return streaming_response(chunks, execution.headers)
     choices = await fmt.aggregate(execution, sampling.n)
-    _raise_on_failure(choices)
-    body = {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": entry.name,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-                "logprobs": {"content": c.chat_logprobs} if want_logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            for index, c in enumerate(choices)
-        ],
-        "usage": execution.usage(),
-    }
+    body = fmt.chat_completion_body(
+        execution,
+        choices,
+        completion_id=completion_id,
+        created=created,
+        model=entry.name,
+        want_logprobs=want_logprobs,
+    )
     return json_response(body, execution.headers)
-
-
-def _raise_on_failure(choices: list[fmt.ChoiceAggregate]) -> None:
-    for choice in choices:
-        if fmt.is_failure(choice.finish_reason):
-            payload = fmt.stream_error_payload(choice.finish_reason)["error"]
-            raise APIError(500, payload["message"])
 
 
 @csrf_exempt
@@ -392,23 +375,14 @@ async def completions(request: HttpRequest) -> HttpResponse:
             want_logprobs=want_logprobs,
         )
         return streaming_response(chunks, execution.headers)
-    num_choices = len(prompts_ids) * sampling.n
-    choices = await fmt.aggregate(execution, num_choices)
-    _raise_on_failure(choices)
-    body = {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": created,
-        "model": entry.name,
-        "choices": [
-            {
-                "index": index,
-                "text": (echo_texts[index // sampling.n] if echo_texts else "") + "".join(c.text),
-                "logprobs": c.completion_logprobs.as_dict() if want_logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            for index, c in enumerate(choices)
-        ],
-        "usage": execution.usage(),
-    }
+    choices = await fmt.aggregate(execution, len(prompts_ids) * sampling.n)
+    body = fmt.text_completion_body(
+        execution,
+        choices,
+        completion_id=completion_id,
+        created=created,
+        model=entry.name,
+        echo_texts=echo_texts,
+        want_logprobs=want_logprobs,
+    )
     return json_response(body, execution.headers)
