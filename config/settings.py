@@ -42,7 +42,6 @@ INSTALLED_APPS = [
     "channels",
     "accounts",
     "inference",
-    "engine",
 ]
 
 MIDDLEWARE = [
@@ -137,7 +136,6 @@ ORCHARD_ENGINE = env_str("ORCHARD_ENGINE", "local")  # "local" today; "remote" w
 # Load the enabled models when the web process starts, so the first request does not wait for
 # them; models registered later load on their first request.
 ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", True)
-ORCHARD_KEY_PREFIX = "sk-orch-"
 
 LOGGING = {
     "version": 1,

@@ -27,6 +27,7 @@ from engine.protocol import (
     GenerationOutput,
     GenerationRequest,
     InvalidRequestError,
+    ModelNotLoadedError,
 )
 from inference.engine_access import get_engine_client
 from inference.errors import APIError
@@ -34,6 +35,20 @@ from inference.models import UsageRecord
 from inference.usage import usage_finish, usage_open, usage_reject
 
 logger = logging.getLogger(__name__)
+
+# Engine finish reasons that fail a request ("abort": the model was unloaded or the server is
+# stopping), with the usage row's error code for each.
+_FAILURE_CODES = {"error": "engine_error", "abort": "engine_aborted"}
+
+
+async def _outlast_cancellation(future: asyncio.Future):
+    """`future`'s result, waiting for it even if this task is cancelled again meanwhile."""
+    while True:
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():
+                return future.result()
 
 
 @dataclass
@@ -108,7 +123,7 @@ class Execution:
             # The client left while the row was being written: the write goes on in its thread,
             # so wait for it and finish the row as cancelled rather than leave it open.
             try:
-                self._usage_id = (await opening).pk
+                self._usage_id = (await _outlast_cancellation(opening)).pk
             finally:
                 await self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected")
             raise
@@ -138,19 +153,34 @@ class Execution:
                     "The model is overloaded with requests; please retry shortly.",
                     code=exc.code,
                 ) from None
+            if isinstance(exc, ModelNotLoadedError):
+                raise APIError(
+                    503, "The model is being reloaded; please retry shortly.", code=exc.code
+                ) from None
             if isinstance(exc, EngineError):
                 raise APIError(500, f"Engine error: {exc}", code=exc.code) from None
             raise
 
     async def _start_streams(self) -> None:
+        """Submit every request (several prompts are queued together, so they can prefill
+        together), then wait for each one's first output: validation errors and overload surface
+        there, before any header is sent."""
         client = get_engine_client()
-        for request in self.requests:
-            stream = aiter(client.generate(request))
-            self._streams.append(stream)
-            # Validation and overload surface before the first output, so pulling it here turns
-            # them into HTTP errors before any header is sent.
-            first = await anext(stream)
-            self._primed.append(first)
+        self._streams = [aiter(client.generate(request)) for request in self.requests]
+        firsts = [asyncio.ensure_future(anext(stream)) for stream in self._streams]
+        try:
+            await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            # On an error (or our own cancellation) the others stop too; cancelling a pending
+            # first output closes its stream, which aborts that request in the engine.
+            pending = [task for task in firsts if not task.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for task in firsts:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        self._primed = [task.result() for task in firsts]
 
     async def outputs(self) -> AsyncIterator[ChoiceOutput]:
         status, error_code = UsageRecord.Status.CANCELLED, "client_disconnected"
@@ -158,9 +188,11 @@ class Execution:
             async with contextlib.aclosing(self._merged()) as merged:
                 async for index, output in merged:
                     self._account(output)
+                    # Set before yielding: a consumer that stops at a failure ends us right here.
+                    if output.finish_reason in _FAILURE_CODES:
+                        status = UsageRecord.Status.FAILED
+                        error_code = _FAILURE_CODES[output.finish_reason]
                     yield ChoiceOutput(index * self.choices_per_request + output.index, output)
-                    if output.finish_reason == "error":
-                        status, error_code = UsageRecord.Status.FAILED, "engine_error"
             if status != UsageRecord.Status.FAILED:
                 status, error_code = UsageRecord.Status.COMPLETED, ""
         except EngineError as exc:

@@ -1,5 +1,20 @@
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
+
+from engine.protocol import InvalidRequestError, SamplingParams
+
+# The sampling fields a registry entry may preset (used when a request omits them), with types.
+SAMPLING_DEFAULT_FIELDS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+    "max_tokens": int,
+}
 
 
 class ModelEntry(models.Model):
@@ -41,6 +56,32 @@ class ModelEntry(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        """Defaults must be values a request could have sent: a bad one would otherwise fail
+        every request that omits the field, with an error blaming the caller."""
+        defaults = self.default_sampling
+        if not isinstance(defaults, dict):
+            raise ValidationError({"default_sampling": "Must be a JSON object."})
+        for name, value in defaults.items():
+            kind = SAMPLING_DEFAULT_FIELDS.get(name)
+            if kind is None:
+                allowed = ", ".join(SAMPLING_DEFAULT_FIELDS)
+                raise ValidationError({"default_sampling": f"Unknown field {name!r}: {allowed}."})
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or (kind is int and not float(value).is_integer())
+            ):
+                raise ValidationError(
+                    {"default_sampling": f"{name} must be a {kind.__name__}, not {value!r}."}
+                )
+        try:
+            SamplingParams(
+                **{k: SAMPLING_DEFAULT_FIELDS[k](v) for k, v in defaults.items()}
+            ).validate()
+        except InvalidRequestError as exc:
+            raise ValidationError({"default_sampling": str(exc)}) from None
 
 
 class UsageRecord(models.Model):

@@ -3,6 +3,7 @@ aggregated body built from the very same stream."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -65,12 +66,12 @@ class CompletionLogprobs:
             self.text_offset.append(self.offset)
             self.offset += len(lp.token)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, *, offset: int = 0) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
             "token_logprobs": self.token_logprobs,
             "top_logprobs": self.top_logprobs,
-            "text_offset": self.text_offset,
+            "text_offset": [position + offset for position in self.text_offset],
         }
 
 
@@ -85,15 +86,19 @@ class ChoiceAggregate:
 async def aggregate(execution: Execution, num_choices: int) -> list[ChoiceAggregate]:
     """Drain the execution's stream: non-streamed responses are the aggregated stream."""
     choices = [ChoiceAggregate() for _ in range(num_choices)]
-    async for item in execution.outputs():
-        choice = choices[item.choice]
-        choice.text.append(item.output.text)
-        if item.output.logprobs:
-            choice.chat_logprobs.extend(chat_logprobs(item.output.logprobs))
-            choice.completion_logprobs.add(item.output.logprobs)
-        if item.output.finish_reason:
-            choice.finish_reason = item.output.finish_reason
+    async with contextlib.aclosing(execution.outputs()) as outputs:
+        async for item in outputs:
+            _add(choices[item.choice], item)
     return choices
+
+
+def _add(choice: ChoiceAggregate, item: ChoiceOutput) -> None:
+    choice.text.append(item.output.text)
+    if item.output.logprobs:
+        choice.chat_logprobs.extend(chat_logprobs(item.output.logprobs))
+        choice.completion_logprobs.add(item.output.logprobs)
+    if item.output.finish_reason:
+        choice.finish_reason = item.output.finish_reason
 
 
 def is_failure(finish_reason: str | None) -> bool:
@@ -156,7 +161,11 @@ def text_completion_body(
             {
                 "index": index,
                 "text": (echo_texts[index // per_prompt] if echo_texts else "") + "".join(c.text),
-                "logprobs": c.completion_logprobs.as_dict() if want_logprobs else None,
+                "logprobs": c.completion_logprobs.as_dict(
+                    offset=len(echo_texts[index // per_prompt]) if echo_texts else 0
+                )
+                if want_logprobs
+                else None,
                 "finish_reason": c.finish_reason,
             }
             for index, c in enumerate(choices)
@@ -183,14 +192,14 @@ async def chat_chunks(
     if include_usage:
         base["usage"] = None
     started: set[int] = set()
-    async for item in execution.outputs():
-        chunk = _chat_chunk(base, item, started)
-        if chunk is None:
-            continue
-        if is_failure(item.output.finish_reason):
-            yield sse(stream_error_payload(item.output.finish_reason))
-            return
-        yield sse(chunk)
+    async with contextlib.aclosing(execution.outputs()) as outputs:
+        async for item in outputs:
+            if is_failure(item.output.finish_reason):
+                yield sse(stream_error_payload(item.output.finish_reason))
+                return
+            chunk = _chat_chunk(base, item, started)
+            if chunk is not None:
+                yield sse(chunk)
     if include_usage:
         yield sse({**base, "choices": [], "usage": execution.usage()})
     yield SSE_DONE
@@ -228,30 +237,36 @@ async def completion_chunks(
     base = {"id": completion_id, "object": "text_completion", "created": created, "model": model}
     if include_usage:
         base["usage"] = None
-    echoed: set[int] = set()
-    async for item in execution.outputs():
-        output = item.output
-        if is_failure(output.finish_reason):
-            yield sse(stream_error_payload(output.finish_reason))
-            return
-        text = output.text
-        if echo_texts is not None and item.choice not in echoed:
-            echoed.add(item.choice)
-            text = echo_texts[item.choice // execution.choices_per_request] + text
-        if not text and not output.finish_reason:
-            continue
-        logprobs = None
-        if want_logprobs and output.logprobs:
-            aggregate_lp = CompletionLogprobs()
-            aggregate_lp.add(output.logprobs)
-            logprobs = aggregate_lp.as_dict()
-        choice = {
-            "index": item.choice,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": output.finish_reason,
-        }
-        yield sse({**base, "choices": [choice]})
+    # Per choice: the logprobs text offset runs on across chunks, after any echoed prompt.
+    offsets: dict[int, int] = {}
+    async with contextlib.aclosing(execution.outputs()) as outputs:
+        async for item in outputs:
+            output = item.output
+            if is_failure(output.finish_reason):
+                yield sse(stream_error_payload(output.finish_reason))
+                return
+            text = output.text
+            if item.choice not in offsets:
+                echo = (
+                    echo_texts[item.choice // execution.choices_per_request] if echo_texts else ""
+                )
+                text = echo + text
+                offsets[item.choice] = len(echo)
+            logprobs = None
+            if want_logprobs and output.logprobs:
+                chunk_logprobs = CompletionLogprobs(offset=offsets[item.choice])
+                chunk_logprobs.add(output.logprobs)
+                offsets[item.choice] = chunk_logprobs.offset
+                logprobs = chunk_logprobs.as_dict()
+            if not text and not output.finish_reason and logprobs is None:
+                continue
+            choice = {
+                "index": item.choice,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": output.finish_reason,
+            }
+            yield sse({**base, "choices": [choice]})
     if include_usage:
         yield sse({**base, "choices": [], "usage": execution.usage()})
     yield SSE_DONE

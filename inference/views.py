@@ -25,6 +25,7 @@ from engine.protocol import (
     GenerationRequest,
     InvalidRequestError,
     ModelInfo,
+    ModelNotLoadedError,
     PromptInput,
     SamplingParams,
 )
@@ -43,18 +44,8 @@ from inference.serializers import (
 
 logger = logging.getLogger(__name__)
 
-# Sampling fields a registry entry's `default_sampling` may preset.
-SAMPLING_DEFAULTS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "max_tokens",
-)
-
+# OpenAI's default for the legacy completions endpoint; chat defaults to the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 async def authenticate(request: HttpRequest) -> ApiKey:
     try:
@@ -134,6 +125,7 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
     json_mode: bool = False,
+    default_max_tokens: int | None = None,
 ) -> SamplingParams:
     def pick(name: str, fallback: Any) -> Any:
         value = data.get(name)
@@ -142,7 +134,7 @@ def sampling_params(
         return value
 
     if max_tokens is None:
-        max_tokens = entry.default_sampling.get("max_tokens")
+        max_tokens = entry.default_sampling.get("max_tokens", default_max_tokens)
     return SamplingParams(
         temperature=float(pick("temperature", 1.0)),
         top_p=float(pick("top_p", 1.0)),
@@ -187,6 +179,23 @@ def fit_to_context(
     return sampling
 
 
+def tools_for_template(data: dict[str, Any]) -> tuple[dict, ...] | None:
+    """The tools the chat template should see. Forcing a call needs tool-call parsing, which
+    Orchard does not do yet, so only "auto" (the default) and "none" are accepted."""
+    tools = data.get("tools")
+    choice = data.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise APIError(
+            400,
+            "tool_choice may be 'auto' or 'none' on this server: forcing a tool call is not "
+            "supported yet.",
+            param="tool_choice",
+        )
+    if not tools or choice == "none":
+        return None
+    return tuple(tools)
+
+
 def check_sampling(sampling: SamplingParams, info: ModelInfo) -> None:
     try:
         sampling.validate(vocab_size=info.vocab_size)
@@ -215,6 +224,10 @@ async def render(model: str, prompt: PromptInput, *, param: str) -> list[int]:
         token_ids = await get_engine_client().render_prompt(model, prompt)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param or param) from None
+    except ModelNotLoadedError as exc:
+        raise APIError(
+            503, "The model is being reloaded; please retry shortly.", code=exc.code
+        ) from None
     except (ValueError, TypeError) as exc:
         # Chat templates raise on conversations they cannot render (e.g. roles out of order).
         raise APIError(400, f"The prompt could not be rendered: {exc}", param=param) from None
@@ -263,7 +276,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     chat_template_kwargs = data.get("chat_template_kwargs") or {}
     prompt = PromptInput(
         messages=tuple(messages),
-        tools=tuple(data["tools"]) if data.get("tools") else None,
+        tools=tools_for_template(data),
         chat_template_kwargs=chat_template_kwargs,
     )
     prompt_ids = await render(entry.name, prompt, param="messages")
@@ -337,7 +350,8 @@ async def completions(request: HttpRequest) -> HttpResponse:
     sampling = sampling_params(
         data,
         entry,
-        max_tokens=data.get("max_tokens") or 16,
+        max_tokens=data.get("max_tokens"),
+        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
         logprobs=want_logprobs,
         top_logprobs=data.get("logprobs") or 0,
     )

@@ -221,7 +221,9 @@ def test_client_disconnect_aborts_and_records_what_was_sent(live_server_url, api
         "max_tokens": 3000,
         "temperature": 0,
         "ignore_eos": True,
+        "logprobs": True,  # one logprobs entry per token: the client can count tokens
     }
+    received = 0
     with httpx.stream(
         "POST",
         f"{live_server_url}/v1/chat/completions",
@@ -230,16 +232,18 @@ def test_client_disconnect_aborts_and_records_what_was_sent(live_server_url, api
         timeout=30,
     ) as response:
         request_id = response.headers["x-request-id"]
-        lines = response.iter_lines()
-        received = 0
-        for line in lines:
+        for line in response.iter_lines():
             if line.startswith("data: {"):
-                received += 1
-            if received == 5:
+                choice = json.loads(line[len("data: ") :])["choices"][0]
+                received += len((choice["logprobs"] or {}).get("content") or [])
+            if received >= 20:
                 break
     row = finished_row(request_id)
     assert row.status == UsageRecord.Status.CANCELLED
-    assert 5 <= row.completion_tokens < 3000
+    assert row.error_code == "client_disconnected"
+    # Billed: what was sent. The client read 20; a few more may have been in flight when it
+    # closed the connection, but the generation stopped far short of max_tokens.
+    assert received <= row.completion_tokens <= received + 200
     # The engine freed the slot: a new request is served at once.
     quick = openai.OpenAI(base_url=f"{live_server_url}/v1", api_key=api_key, max_retries=0)
     assert quick.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY).choices
@@ -284,3 +288,22 @@ def test_json_object_response_format_gives_a_json_object(client, stream):
         assert isinstance(json.loads(text), dict)
     else:
         assert finish == "length" and text.lstrip().startswith("{")
+
+
+def test_tool_choice_none_hides_the_tools_and_forcing_a_call_is_a_clear_400(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plain = client.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY)
+    with_tools = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, tools=tools, **GREEDY
+    )
+    hidden = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, tools=tools, tool_choice="none", **GREEDY
+    )
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=TINY, messages=MESSAGES, tools=tools, tool_choice=choice, **GREEDY
+            )
+        assert caught.value.body["param"] == "tool_choice"

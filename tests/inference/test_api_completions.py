@@ -65,3 +65,40 @@ def test_empty_prompt_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=TINY, prompt=[], max_tokens=2)
     assert caught.value.body["param"] == "prompt"
+
+
+def test_registry_default_max_tokens_applies_and_16_otherwise(client):
+    from inference.models import ModelEntry
+
+    extra = {"extra_body": {"ignore_eos": True}}
+    assert (
+        client.completions.create(model=TINY, prompt="The apple", **extra).usage.completion_tokens
+        == 16
+    )
+    ModelEntry.objects.filter(name=TINY).update(default_sampling={"max_tokens": 3})
+    assert (
+        client.completions.create(model=TINY, prompt="The apple", **extra).usage.completion_tokens
+        == 3
+    )
+
+
+def test_streamed_logprobs_equal_non_streamed_and_offsets_follow_the_echo(client):
+    kwargs = {"model": TINY, "prompt": "The apple", "logprobs": 1, "echo": False, **GREEDY}
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    tokens = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    offsets = [
+        o
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for o in c.choices[0].logprobs.text_offset
+    ]
+    assert tokens == whole.tokens
+    assert offsets == whole.text_offset
+    assert whole.text_offset[0] == 0
+    assert whole.text_offset == sorted(whole.text_offset)
