@@ -21,9 +21,10 @@ class EngineError(Exception):
 
 
 class InvalidRequestError(EngineError, ValueError):
-    """User input the engine cannot accept; `param` names the offending request field."""
+    """User input the engine cannot accept; `param` names the offending request field and
+    `code` is set only where OpenAI has a specific one (e.g. context_length_exceeded)."""
 
-    code = "invalid_request_error"
+    code = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)

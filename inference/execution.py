@@ -106,7 +106,11 @@ class Execution:
                 endpoint=self.endpoint,
                 error_code=exc.code,
             )
-            raise APIError(429, exc.message, code=exc.code, headers=exc.headers) from None
+            # OpenAI types an exhausted budget as its own error type, not a rate limit.
+            error_type = "insufficient_quota" if exc.code == "insufficient_quota" else None
+            raise APIError(
+                429, exc.message, code=exc.code, type=error_type, headers=exc.headers
+            ) from None
         self.headers = dict(self._admission.headers)
         opening = asyncio.ensure_future(
             sync_to_async(usage_open)(
@@ -196,7 +200,7 @@ class Execution:
             if status != UsageRecord.Status.FAILED:
                 status, error_code = UsageRecord.Status.COMPLETED, ""
         except EngineError as exc:
-            status, error_code = UsageRecord.Status.FAILED, exc.code
+            status, error_code = UsageRecord.Status.FAILED, exc.code or "engine_error"
             raise
         except Exception:
             status, error_code = UsageRecord.Status.FAILED, "server_error"

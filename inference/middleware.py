@@ -31,7 +31,10 @@ class OpenAIApiMiddleware:
         request.orchard_request_id = f"req_{uuid.uuid4().hex}"
         response = await self.get_response(request)
         if response.status_code >= 400 and not isinstance(response, JsonResponse):
+            allow = response.get("Allow")
             response = error_response(_error_for_status(response.status_code))
+            if allow:
+                response["Allow"] = allow
         response["x-request-id"] = request.orchard_request_id
         api_key = getattr(request, "orchard_api_key", None)
         if api_key is not None and not any(

@@ -182,3 +182,16 @@ def test_overloaded_model_answers_503(live_server_url, api_key, tiny_model_path)
 
     third = asyncio.run(scenario())
     assert_openai_error(third, 503, code="engine_overloaded")
+
+
+def test_wrong_method_keeps_the_allow_header(live_server_url, api_key):
+    headers = {"Authorization": f"Bearer {api_key}"}
+    response = httpx.get(f"{live_server_url}/v1/chat/completions", headers=headers)
+    assert_openai_error(response, 405)
+    assert response.headers["allow"] == "POST"
+
+
+def test_out_of_vocabulary_token_ids_are_a_400_without_a_fake_code(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=TINY, prompt=[99_999_999], max_tokens=2)
+    assert caught.value.code is None

@@ -67,6 +67,7 @@ def test_budget_exhaustion_is_insufficient_quota(live_server_url, make_key, tiny
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=100)
     assert caught.value.code == "insufficient_quota"
+    assert caught.value.body["type"] == "insufficient_quota"
     ok = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=5)
     assert ok.usage.total_tokens <= 60
 
