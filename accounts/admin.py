@@ -2,24 +2,59 @@
 
 A new or rotated key's raw value is rendered once, in the response to the request that created it
 (never through messages, sessions or any other store), with `Cache-Control: no-store`. Keys are
-revoked, never deleted (usage rows refer to them). Staff who are not superusers see and manage
-only the teams they own (accounts.selectors).
+revoked, never deleted (usage rows refer to them). Staff who are not superusers manage only the
+teams they own; a member sees their own keys read-only (accounts.selectors). Searches never echo a
+raw key: one pasted into a search box is cut to its prefix before the page is built.
 """
 
 from datetime import timedelta
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.views.main import SEARCH_VAR
+from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
+from accounts import keys
 from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
-from accounts.selectors import api_keys_visible_to, teams_owned_by, teams_visible_to
+from accounts.selectors import (
+    api_keys_managed_by,
+    api_keys_visible_to,
+    teams_owned_by,
+    teams_visible_to,
+)
 from accounts.services import api_key_create, api_key_revoke, api_key_rotate
 
 ERROR_NOT_A_MEMBER = "The key's user must be a member of the team."
 SHOW_ONCE_TEMPLATE = "admin/accounts/apikey/show_once.html"
+MESSAGE_SEARCH_REDACTED = (
+    "Searched by the key's prefix. Search with the prefix the admin shows (sk-orch-XXXXXXXX), not "
+    "the whole key: a URL holding a key ends up in logs and browser history."
+)
+
+
+def owns_team(user, team_id: int | None) -> bool:
+    """Whether the user owns the team, or any team when `team_id` is None (the changelist asks
+    before there is an object)."""
+    owned = teams_owned_by(user=user)
+    return (owned if team_id is None else owned.filter(pk=team_id)).exists()
+
+
+class KeySearchMixin:
+    """For changelists searchable by key. A search holding a raw key is redirected to the same
+    search by the key's prefix, so the secret is not echoed in the search box, pagination and
+    filter links, or the changelist filters that later redirects carry."""
+
+    def changelist_view(self, request, extra_context=None):
+        term = request.GET.get(SEARCH_VAR, "")
+        if request.method == "GET" and keys.redact_keys(term) != term:
+            query = request.GET.copy()
+            query[SEARCH_VAR] = keys.redact_keys(term)
+            self.message_user(request, MESSAGE_SEARCH_REDACTED, messages.WARNING)
+            return HttpResponseRedirect(f"{request.path}?{query.urlencode()}")
+        return super().changelist_view(request, extra_context)
 
 
 def show_once_response(request, created: list[tuple[ApiKey, str]], *, title: str):
@@ -73,6 +108,26 @@ class MembershipAdmin(admin.ModelAdmin):
             .get_queryset(request)
             .filter(team__in=teams_owned_by(user=request.user))
             .select_related("user", "team")
+        )
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        # Autocomplete only narrows the suggestions; this narrows what the form accepts, or a
+        # posted team id would make its poster a member (or owner) of any team.
+        if db_field.name == "team":
+            kwargs["queryset"] = teams_owned_by(user=request.user)
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
+    def has_add_permission(self, request):
+        return super().has_add_permission(request) and owns_team(request.user, None)
+
+    def has_change_permission(self, request, obj=None):
+        return super().has_change_permission(request, obj) and owns_team(
+            request.user, obj.team_id if obj else None
+        )
+
+    def has_delete_permission(self, request, obj=None):
+        return super().has_delete_permission(request, obj) and owns_team(
+            request.user, obj.team_id if obj else None
         )
 
 
@@ -152,7 +207,7 @@ class ExpiryFilter(admin.SimpleListFilter):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
     form = ApiKeyForm
     list_display = [
         "displayed_prefix",
@@ -189,6 +244,18 @@ class ApiKeyAdmin(admin.ModelAdmin):
             users = form.base_fields["user"].queryset
             form.base_fields["user"].queryset = users.filter(memberships__team__in=owned).distinct()
         return form
+
+    def get_search_results(self, request, queryset, search_term):
+        term = search_term.strip().rstrip("…")
+        if term.startswith(keys.KEY_PREFIX):
+            return queryset.filter(prefix__startswith=keys.lookup_prefix(term)), False
+        return super().get_search_results(request, queryset, search_term)
+
+    def has_change_permission(self, request, obj=None):
+        # Members see their own keys, but a key's limits, models and state are the owners' call.
+        return super().has_change_permission(request, obj) and owns_team(
+            request.user, obj.team_id if obj else None
+        )
 
     def has_delete_permission(self, request, obj=None):
         return False
@@ -240,7 +307,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
     @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke_keys(self, request, queryset):
         count = 0
-        for api_key in queryset.filter(revoked_at__isnull=True):
+        managed = queryset & api_keys_managed_by(user=request.user)
+        for api_key in managed.filter(revoked_at__isnull=True):
             api_key_revoke(api_key=api_key)
             count += 1
         self.message_user(request, f"Revoked {count} key(s).", messages.SUCCESS)
@@ -249,9 +317,10 @@ class ApiKeyAdmin(admin.ModelAdmin):
         description="Rotate selected keys (revoke, issue a replacement)", permissions=["change"]
     )
     def rotate_keys(self, request, queryset):
+        managed = queryset & api_keys_managed_by(user=request.user)
         created = [
             api_key_rotate(api_key=api_key, created_by=request.user)
-            for api_key in queryset.filter(revoked_at__isnull=True)
+            for api_key in managed.filter(revoked_at__isnull=True)
         ]
         if not created:
             self.message_user(request, "Only active keys can be rotated.", messages.WARNING)
@@ -260,7 +329,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiKeyMonthlyUsage)
-class ApiKeyMonthlyUsageAdmin(admin.ModelAdmin):
+class ApiKeyMonthlyUsageAdmin(KeySearchMixin, admin.ModelAdmin):
     list_display = ["month", "api_key", "tokens"]
     list_filter = ["month"]
     search_fields = ["api_key__prefix", "api_key__name"]

@@ -5,15 +5,13 @@ from django.utils import timezone
 
 from accounts import keys
 from accounts.models import ApiKey
+from accounts.services import api_key_touch_last_used
 
 ERROR_MISSING = "You didn't provide an API key. Use an 'Authorization: Bearer sk-orch-...' header."
 ERROR_MALFORMED = "Malformed Authorization header; expected 'Bearer <key>'."
 ERROR_INVALID = "Incorrect API key provided."
 ERROR_REVOKED = "This API key has been revoked."
 ERROR_EXPIRED = "This API key has expired."
-
-# last_used_at is written at most this often per key, so hot keys don't cost a write per request.
-LAST_USED_RESOLUTION_SECONDS = 60
 
 
 class AuthenticationError(Exception):
@@ -48,13 +46,5 @@ def authenticate_header(header: str | None) -> ApiKey:
         raise AuthenticationError(ERROR_EXPIRED)
     if not api_key.user.is_active:
         raise AuthenticationError(ERROR_INVALID)
-    _touch_last_used(api_key)
+    api_key_touch_last_used(api_key=api_key, now=timezone.now())
     return api_key
-
-
-def _touch_last_used(api_key: ApiKey) -> None:
-    now = timezone.now()
-    last = api_key.last_used_at
-    if last is None or (now - last).total_seconds() >= LAST_USED_RESOLUTION_SECONDS:
-        ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
-        api_key.last_used_at = now

@@ -14,6 +14,7 @@ SECRET_LENGTH = 40
 LOOKUP_PREFIX_LENGTH = len(KEY_PREFIX) + 8
 _ALPHABET = string.ascii_letters + string.digits
 _KEY_RE = re.compile(rf"^{re.escape(KEY_PREFIX)}[A-Za-z0-9]{{{SECRET_LENGTH}}}$")
+_KEY_IN_TEXT_RE = re.compile(rf"{re.escape(KEY_PREFIX)}[A-Za-z0-9]+")
 
 
 def generate_key() -> str:
@@ -26,6 +27,12 @@ def is_well_formed(raw_key: str) -> bool:
 
 def lookup_prefix(raw_key: str) -> str:
     return raw_key[:LOOKUP_PREFIX_LENGTH]
+
+
+def redact_keys(text: str) -> str:
+    """`text` with anything key-shaped in it cut to its lookup prefix: safe to echo, log or put in
+    a URL, and still enough to find the key."""
+    return _KEY_IN_TEXT_RE.sub(lambda match: lookup_prefix(match.group()), text)
 
 
 def digest(raw_key: str) -> str:

@@ -4,6 +4,7 @@ Visibility rules (one place, so the admin, reports and APIs agree):
 - superusers see everything;
 - a team's owners see all of the team's keys; a member sees only the keys issued to them;
 - any member sees the team itself (and, in inference, the team's usage);
+- only a team's owners change its keys and memberships (members' own keys are read-only to them);
 - nobody sees another team's anything.
 """
 
@@ -47,3 +48,10 @@ def api_keys_visible_to(*, user: AbstractBaseUser) -> QuerySet[ApiKey]:
     return ApiKey.objects.filter(team__in=owned) | ApiKey.objects.filter(
         user=user, team__in=member_of
     )
+
+
+def api_keys_managed_by(*, user: AbstractBaseUser) -> QuerySet[ApiKey]:
+    """The keys the user may change, revoke or rotate: those of the teams they own."""
+    if user.is_superuser:
+        return ApiKey.objects.all()
+    return ApiKey.objects.filter(team__in=teams_owned_by(user=user))

@@ -11,6 +11,9 @@ from django.utils import timezone
 from accounts import keys
 from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
 
+# last_used_at is written at most this often per key, so hot keys don't cost a write per request.
+LAST_USED_RESOLUTION_SECONDS = 60
+
 
 @transaction.atomic
 def team_membership_ensure(
@@ -83,6 +86,15 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
     api_key.refresh_from_db(fields=["revoked_at"])
     return api_key
+
+
+def api_key_touch_last_used(*, api_key: ApiKey, now: datetime) -> None:
+    """Record a use of the key at `now`, unless one was recorded in the last
+    LAST_USED_RESOLUTION_SECONDS (updates `api_key` in place too)."""
+    last = api_key.last_used_at
+    if last is None or (now - last).total_seconds() >= LAST_USED_RESOLUTION_SECONDS:
+        ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+        api_key.last_used_at = now
 
 
 @transaction.atomic

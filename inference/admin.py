@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 
 from accounts import keys
-from accounts.admin import VisibleTeamFilter
+from accounts.admin import KeySearchMixin, VisibleTeamFilter
 from inference.models import DailyUsage, ModelEntry, UsageRecord
 from inference.registry import model_set_default
 from inference.usage import daily_usage_visible_to, usage_records_visible_to, usage_totals
@@ -100,7 +100,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(ReadOnlyAdmin):
+class UsageRecordAdmin(KeySearchMixin, ReadOnlyAdmin):
     list_display = [
         "request_id",
         "started_at",
@@ -125,7 +125,9 @@ class UsageRecordAdmin(ReadOnlyAdmin):
     ]
     list_select_related = ["team", "api_key", "user"]
     search_fields = ["request_id"]  # get_search_results below decides how
-    search_help_text = "Exact request id, key prefix (sk-orch-…), team name or model name."
+    search_help_text = (
+        "Exact request id, key prefix as shown (sk-orch-XXXXXXXX), team name or model name."
+    )
     paginator = CappedCountPaginator
     show_full_result_count = False
     change_list_template = "admin/inference/usagerecord/change_list.html"

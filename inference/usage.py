@@ -15,12 +15,19 @@ from django.db import transaction
 from django.db.models import F, QuerySet, Sum
 from django.utils import timezone
 
+from accounts.limits import PARALLEL_LEASE_SECONDS
 from accounts.models import ApiKey
 from accounts.selectors import month_start, teams_visible_to
 from accounts.services import api_key_monthly_usage_add
 from inference.models import DailyUsage, UsageRecord
 
 ERROR_SERVER_RESTARTED = "server_restarted"
+# A starting process cannot tell a crashed process's rows from a live one's, so by default it
+# sweeps only rows as old as the parallel-slot lease: the limiter already treats a request that
+# outlived it as abandoned (its slot is given back), and no real generation runs that long. The
+# two agree on when a request counts as dead, and a live row swept anyway is still corrected by
+# its real finish.
+USAGE_STALE_AFTER = datetime.timedelta(seconds=PARALLEL_LEASE_SECONDS)
 
 _STATUS_COUNTERS = {
     UsageRecord.Status.COMPLETED: "num_completed",
@@ -126,10 +133,11 @@ def _roll_up(record: UsageRecord, *, sign: int) -> None:
         )
 
 
-def usage_close_stale(*, older_than: datetime.timedelta = datetime.timedelta(0)) -> int:
-    """Finish rows left in progress (by a crashed process) as failed; run at start-up. Several
-    processes may sweep at once: each row is taken under a row lock, rows another sweeper or a
-    live finish holds are skipped, and a row is closed at most once. Returns how many it closed."""
+def usage_close_stale(*, older_than: datetime.timedelta = USAGE_STALE_AFTER) -> int:
+    """Finish rows left in progress (by a crashed process) as failed, if they started more than
+    `older_than` ago; run at start-up. Several processes may sweep at once: each row is taken
+    under a row lock, rows another sweeper or a live finish holds are skipped, and a row is
+    closed at most once. Returns how many it closed."""
     cutoff = timezone.now() - older_than
     stale = list(
         UsageRecord.objects.filter(

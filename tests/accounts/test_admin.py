@@ -1,14 +1,18 @@
 """The admin through Django's test client: staff only, the show-once key page, revoke and rotate,
-team isolation for staff who are not superusers, the model registry and the usage pages."""
+team isolation for staff who are not superusers (members' keys read-only), raw keys never echoed
+by a search, the model registry and the usage pages."""
+
+from datetime import date
 
 import pytest
+from django.contrib.admin import site as admin_site
 from django.contrib.auth.models import Permission
 from django.urls import reverse
 
 from accounts import keys
 from accounts.admin import ERROR_NOT_A_MEMBER
 from accounts.authentication import ERROR_REVOKED, AuthenticationError, authenticate_header
-from accounts.models import ApiKey, Membership
+from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership
 from inference.models import ModelEntry, UsageRecord
 from inference.usage import usage_finish
 from tests.factories import (
@@ -221,3 +225,86 @@ def test_staff_owner_cannot_issue_keys_for_another_team(client):
     assert not ApiKey.objects.exists()
     client.post(ADD, _add_form(team, owner))
     assert ApiKey.objects.get().team == team
+
+
+MEMBERSHIP_ADD = reverse("admin:accounts_membership_add")
+
+
+def test_staff_owner_cannot_join_another_team_through_the_membership_form(client):
+    owner, team = _team_owner_staff(
+        ["view_membership", "add_membership", "change_membership", "view_team"]
+    )
+    other = TeamFactory(name="other-team-xx")
+    client.force_login(owner)
+    response = client.post(MEMBERSHIP_ADD, {"user": owner.pk, "team": other.pk, "role": "owner"})
+    assert response.status_code == 200
+    assert "team" in response.context["adminform"].form.errors
+    assert not Membership.objects.filter(team=other).exists()
+    newcomer = UserFactory()
+    client.post(MEMBERSHIP_ADD, {"user": newcomer.pk, "team": team.pk, "role": "member"})
+    assert Membership.objects.filter(team=team, user=newcomer).exists()
+
+
+def test_membership_permissions_stop_at_the_teams_a_user_owns(rf):
+    owner, team = _team_owner_staff(
+        ["view_membership", "add_membership", "change_membership", "delete_membership"]
+    )
+    member, _ = _team_owner_staff(["add_membership", "change_membership"])
+    Membership.objects.filter(user=member).update(role=Membership.Role.MEMBER)
+    model_admin = admin_site._registry[Membership]
+    request = rf.get("/")
+    request.user = owner
+    mine = MembershipFactory(team=team)
+    foreign = MembershipFactory()
+    assert model_admin.has_change_permission(request, mine)
+    assert not model_admin.has_change_permission(request, foreign)
+    assert model_admin.has_delete_permission(request, mine)
+    assert not model_admin.has_delete_permission(request, foreign)
+    request.user = member
+    assert not model_admin.has_add_permission(request)
+    assert not model_admin.has_change_permission(request)
+
+
+def test_members_keys_are_read_only_to_them(client):
+    """Owner of one team, member of another: their key in the other team is view-only, and the
+    revoke and rotate actions skip it."""
+    user, owned = _team_owner_staff(["view_apikey", "change_apikey"])
+    elsewhere = MembershipFactory(user=user, role=Membership.Role.MEMBER).team
+    own_key = ApiKeyFactory(team=elsewhere, user=user, rpm=10)
+    managed = ApiKeyFactory(team=owned, user=user)
+    client.force_login(user)
+    url = reverse("admin:accounts_apikey_change", args=[own_key.pk])
+    page = client.get(url)
+    assert page.status_code == 200 and not page.context["has_change_permission"]
+    form = _add_form(elsewhere, user, rpm="", max_parallel="", budget_tokens="")
+    assert client.post(url, form).status_code == 403
+    for action in ("revoke_keys", "rotate_keys"):
+        client.post(CHANGELIST, {"action": action, "_selected_action": [own_key.pk]})
+    own_key.refresh_from_db()
+    assert (own_key.rpm, own_key.is_revoked) == (10, False)
+    assert ApiKey.objects.filter(team=elsewhere).count() == 1
+    client.post(CHANGELIST, {"action": "revoke_keys", "_selected_action": [managed.pk]})
+    managed.refresh_from_db()
+    assert managed.is_revoked
+
+
+@pytest.mark.parametrize(
+    "url_name",
+    [
+        "admin:accounts_apikey_changelist",
+        "admin:accounts_apikeymonthlyusage_changelist",
+        "admin:inference_usagerecord_changelist",
+    ],
+)
+def test_a_raw_key_in_a_search_is_cut_to_its_prefix(admin_client, url_name):
+    api_key, raw_key = api_key_with_raw()
+    other = ApiKeyFactory()
+    for key in (api_key, other):
+        UsageRecordFactory(api_key=key)
+        ApiKeyMonthlyUsage.objects.create(api_key=key, month=date(2025, 1, 1), tokens=1)
+    response = admin_client.get(reverse(url_name), {"q": f"  {raw_key} "})
+    assert response.status_code == 302
+    assert raw_key not in response["Location"] and api_key.prefix in response["Location"]
+    page = admin_client.get(response["Location"])
+    assert raw_key not in page.content.decode()
+    assert page.context["cl"].result_count == 1

@@ -1,16 +1,21 @@
 """Key format and the key services: digest only, recognisable prefix, find, revoke, rotate, and
 who may see which keys."""
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from accounts import keys
 from accounts.models import ApiKey, Membership
 from accounts.selectors import api_keys_visible_to, teams_owned_by, teams_visible_to
 from accounts.services import (
+    LAST_USED_RESOLUTION_SECONDS,
     api_key_create,
     api_key_find,
     api_key_revoke,
     api_key_rotate,
+    api_key_touch_last_used,
     team_membership_ensure,
     user_get_or_create,
 )
@@ -123,3 +128,27 @@ def test_a_member_who_left_the_team_sees_none_of_its_keys():
     ApiKeyFactory(team=membership.team, user=member)
     membership.delete()
     assert list(api_keys_visible_to(user=member)) == []
+
+
+@pytest.mark.django_db
+def test_touch_last_used_writes_at_most_once_a_resolution():
+    api_key = ApiKeyFactory()
+    start = timezone.now()
+    api_key_touch_last_used(api_key=api_key, now=start)
+    soon = start + timedelta(seconds=LAST_USED_RESOLUTION_SECONDS - 1)
+    api_key_touch_last_used(api_key=api_key, now=soon)
+    assert ApiKey.objects.get(pk=api_key.pk).last_used_at == start == api_key.last_used_at
+    later = start + timedelta(seconds=LAST_USED_RESOLUTION_SECONDS)
+    api_key_touch_last_used(api_key=api_key, now=later)
+    assert ApiKey.objects.get(pk=api_key.pk).last_used_at == later == api_key.last_used_at
+
+
+def test_redact_keys_cuts_every_key_to_its_prefix():
+    raw, other = keys.generate_key(), keys.generate_key()
+    text = f"q={raw} and Bearer {other}; prefix {keys.lookup_prefix(raw)}… stays"
+    redacted = keys.redact_keys(text)
+    assert raw not in redacted and other not in redacted
+    assert redacted == (
+        f"q={keys.lookup_prefix(raw)} and Bearer {keys.lookup_prefix(other)}; "
+        f"prefix {keys.lookup_prefix(raw)}… stays"
+    )

@@ -15,11 +15,11 @@ from accounts.authentication import (
     ERROR_MALFORMED,
     ERROR_MISSING,
     ERROR_REVOKED,
-    LAST_USED_RESOLUTION_SECONDS,
     AuthenticationError,
     authenticate_header,
 )
 from accounts.models import ApiKey
+from accounts.services import LAST_USED_RESOLUTION_SECONDS
 from tests.factories import api_key_with_raw
 
 

@@ -8,6 +8,7 @@ from django.core.management import CommandError, call_command
 
 from accounts import keys
 from accounts.authentication import ERROR_REVOKED, AuthenticationError, authenticate_header
+from accounts.management.commands.revoke_api_key import Command as RevokeApiKey
 from accounts.models import ApiKey, Membership
 from tests.factories import api_key_with_raw
 
@@ -67,3 +68,9 @@ def test_revoke_by_prefix_or_key(form):
 def test_revoke_unknown_key():
     with pytest.raises(CommandError):
         call_command("revoke_api_key", "sk-orch-nothere")
+
+
+def test_revoke_help_steers_to_the_prefix():
+    parser = RevokeApiKey().create_parser("manage.py", "revoke_api_key")
+    text = " ".join(parser.format_help().split())
+    assert "displayed prefix" in text and "shell history" in text

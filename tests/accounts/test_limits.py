@@ -322,6 +322,39 @@ async def test_budget_is_seeded_from_the_month_and_never_exceeded(make_limiter, 
     assert len(_admitted([await _try_admit(limiter, api_key, 100) for _ in range(5)])) == 3
 
 
+@pytest.mark.django_db(transaction=True)
+async def test_an_idle_keys_budget_is_re_seeded_from_the_database(make_limiter, sync_thread_db):
+    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=1000)
+    limiter = make_limiter(budget_idle_seconds=0.2)
+    await (await limiter.admit(api_key, reserved_tokens=100)).release(used_tokens=100)
+    # Usage this counter never saw (another process's, or a release lost in a crash).
+    month = month_start(timezone.now().date())
+    await ApiKeyMonthlyUsage.objects.acreate(api_key=api_key, month=month, tokens=950)
+    await (await limiter.admit(api_key, reserved_tokens=100)).release(used_tokens=0)
+    await asyncio.sleep(0.3)
+    with pytest.raises(RateLimitExceeded) as caught:
+        await limiter.admit(api_key, reserved_tokens=100)
+    assert caught.value.code == CODE_QUOTA
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_in_process_state_of_idle_keys_is_evicted(sync_thread_db):
+    """Memory follows the active keys: counters of keys idle past the window (and budgets idle past
+    their idle time) go; a key with a request in flight keeps its state."""
+    limiter = InProcessLimiter(window_seconds=0.1, budget_idle_seconds=0.1)
+    for _ in range(50):
+        api_key = make_limited_key(rpm=10, tpm=1000, budget_tokens=10**6)
+        await (await limiter.admit(api_key, reserved_tokens=10)).release(used_tokens=5)
+    busy = make_limited_key(max_parallel=1)
+    await limiter.admit(busy, reserved_tokens=1)
+    assert (len(limiter._keys), len(limiter._used)) == (51, 50)
+    await asyncio.sleep(0.15)
+    await limiter.current_headers(make_limited_key(rpm=1))
+    assert list(limiter._keys) == [busy.prefix] and not limiter._used
+    with pytest.raises(RateLimitExceeded):
+        await limiter.admit(busy, reserved_tokens=1)
+
+
 @pytest.mark.redis
 @pytest.mark.django_db(transaction=True)
 async def test_redis_budget_is_shared_by_processes(redis_namespace, sync_thread_db):

@@ -94,7 +94,7 @@ def test_bootstrap_closes_rows_left_open_by_a_crash(tiny_model_path):
         user=user,
         model="m",
         endpoint="chat.completions",
-        started_at=timezone.now() - timezone.timedelta(hours=1),
+        started_at=timezone.now() - timezone.timedelta(hours=2),
     )
     # The default model is already there, so bootstrap only sweeps (and creates the admin).
     run("register_model", "smollm2-135m-instruct", str(tiny_model_path))

@@ -9,12 +9,15 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 from django.db.models import Sum
+from django.utils import timezone
 
+from accounts.limits import PARALLEL_LEASE_SECONDS
 from accounts.models import ApiKeyMonthlyUsage
 from accounts.selectors import month_start
 from inference.models import DailyUsage, UsageRecord
 from inference.usage import (
     ERROR_SERVER_RESTARTED,
+    USAGE_STALE_AFTER,
     usage_close_stale,
     usage_finish,
     usage_open,
@@ -199,8 +202,8 @@ def test_roll_ups_recomputed_from_rows_are_equal():
 
 @pytest.mark.django_db
 def test_sweep_closes_stale_rows_as_failed():
-    old = UsageRecordFactory()
-    done = UsageRecordFactory()
+    old = UsageRecordFactory(started_at=timezone.now() - USAGE_STALE_AFTER - timedelta(minutes=1))
+    done = UsageRecordFactory(started_at=old.started_at)
     usage_finish(record_id=done.pk, status=Status.COMPLETED, completion_tokens=2)
     assert usage_close_stale() == 1
     old.refresh_from_db()
@@ -210,16 +213,30 @@ def test_sweep_closes_stale_rows_as_failed():
 
 
 @pytest.mark.django_db
+def test_sweep_by_default_spares_rows_a_live_process_may_own():
+    """bootstrap sweeps with the default while other processes serve: their running requests,
+    long generations included, stay in progress."""
+    fresh = UsageRecordFactory()
+    long_running = UsageRecordFactory(started_at=timezone.now() - timedelta(minutes=50))
+    assert USAGE_STALE_AFTER >= timedelta(seconds=PARALLEL_LEASE_SECONDS)
+    assert usage_close_stale() == 0
+    for record in (fresh, long_running):
+        record.refresh_from_db()
+        assert record.status == Status.IN_PROGRESS
+
+
+@pytest.mark.django_db
 def test_sweep_spares_rows_younger_than_the_grace():
     UsageRecordFactory()
     assert usage_close_stale(older_than=timedelta(hours=1)) == 0
+    assert usage_close_stale(older_than=timedelta(0)) == 1
 
 
 @pytest.mark.django_db
 def test_a_late_real_finish_replaces_the_sweep():
     """Another process's sweep closed a live row: its own finish still records the truth."""
     record = UsageRecordFactory()
-    usage_close_stale()
+    usage_close_stale(older_than=timedelta(0))
     assert usage_finish(
         record_id=record.pk, status=Status.COMPLETED, prompt_tokens=4, completion_tokens=6
     )
@@ -236,7 +253,7 @@ def test_concurrent_sweeps_close_each_row_once():
     api_key = ApiKeyFactory()
     for n in range(20):
         UsageRecordFactory(api_key=api_key, request_id=f"s{n}")
-    closed = _in_threads(usage_close_stale, num_threads=4)
+    closed = _in_threads(lambda: usage_close_stale(older_than=timedelta(0)), num_threads=4)
     assert sum(closed) == 20
     assert DailyUsage.objects.aggregate(n=Sum("num_failed"))["n"] == 20
     _assert_roll_ups_match_rows()

@@ -5,10 +5,16 @@ from accounts.services import api_key_find, api_key_revoke
 
 
 class Command(BaseCommand):
-    help = "Revoke an API key given the raw key or its displayed prefix (sk-orch-XXXXXXXX)."
+    help = (
+        "Revoke an API key given its displayed prefix (sk-orch-XXXXXXXX, as the admin and "
+        "create_api_key show it). The raw key also works, but then it lands in your shell history."
+    )
 
     def add_arguments(self, parser):
-        parser.add_argument("key_or_prefix")
+        parser.add_argument(
+            "key_or_prefix",
+            help="The key's displayed prefix (normal), or the raw key (kept in shell history).",
+        )
 
     def handle(self, *args, **options):
         try:

@@ -1,0 +1,92 @@
+"""Admission control for API keys: requests per minute, tokens per minute, parallel requests and
+the monthly token budget, checked and reserved in one atomic step and corrected on release.
+
+Two backends with one semantics:
+- in-process (REDIS_URL unset, `memory`): counters behind one lock, in this process only.
+- Redis (REDIS_URL set, `redis`): Lua scripts, so every process shares the counters.
+
+Counting rules:
+- rpm and tpm are sliding 60 s logs, not fixed buckets (which admit twice the limit across a
+  bucket edge). A running request counts its reservation in tpm; once released, what it used.
+- The budget is the month's finished tokens (seeded from `ApiKeyMonthlyUsage`, which the usage
+  roll-up keeps in the same transaction as the usage row, and advanced by each release) plus the
+  reservations in flight. Callers finish the usage row before releasing, so a re-seed never
+  misses a request (it may count one twice, which errs on the safe side).
+- Parallel slots are leases: a crashed process's slots come back after PARALLEL_LEASE_SECONDS.
+- A check that fails reserves nothing.
+- A key idle for BUDGET_IDLE_SECONDS loses its counters; its budget is re-seeded from the
+  database on its next admission, so memory follows the active keys, not every key ever seen.
+
+State is keyed by the key's prefix (unique, random, not secret), never by its raw value.
+"""
+
+import threading
+
+from django.conf import settings
+
+from accounts.limits.base import (
+    BUDGET_IDLE_SECONDS,
+    CODE_QUOTA,
+    CODE_RATE_LIMIT,
+    ERROR_BUDGET,
+    ERROR_PARALLEL,
+    ERROR_REQUESTS,
+    ERROR_TOKENS,
+    ERROR_TOO_LARGE,
+    PARALLEL_LEASE_SECONDS,
+    WINDOW_SECONDS,
+    Admission,
+    Limiter,
+    RateLimitExceeded,
+    format_duration,
+)
+from accounts.limits.memory import InProcessLimiter
+from accounts.limits.redis import RedisLimiter
+from accounts.models import ApiKey
+
+__all__ = [
+    "BUDGET_IDLE_SECONDS",
+    "CODE_QUOTA",
+    "CODE_RATE_LIMIT",
+    "ERROR_BUDGET",
+    "ERROR_PARALLEL",
+    "ERROR_REQUESTS",
+    "ERROR_TOKENS",
+    "ERROR_TOO_LARGE",
+    "PARALLEL_LEASE_SECONDS",
+    "WINDOW_SECONDS",
+    "Admission",
+    "InProcessLimiter",
+    "Limiter",
+    "RateLimitExceeded",
+    "RedisLimiter",
+    "admit",
+    "current_headers",
+    "format_duration",
+    "get_limiter",
+]
+
+_limiters: dict[str | None, Limiter] = {}
+_limiters_lock = threading.Lock()
+
+
+def get_limiter() -> Limiter:
+    """The process-wide limiter for the configured backend."""
+    url = settings.REDIS_URL
+    with _limiters_lock:
+        if url not in _limiters:
+            _limiters[url] = RedisLimiter(url=url) if url else InProcessLimiter()
+        return _limiters[url]
+
+
+async def admit(api_key: ApiKey, *, reserved_tokens: int) -> Admission:
+    """Check and reserve, atomically: 1 request (rpm), `reserved_tokens` (tpm and budget), 1
+    parallel slot. Raises RateLimitExceeded (with headers) and reserves nothing when a limit
+    refuses. `reserved_tokens` should be prompt tokens + max_tokens; release with what was used
+    (prompt + completion tokens, as recorded in the usage row), after finishing that row."""
+    return await get_limiter().admit(api_key, reserved_tokens=reserved_tokens)
+
+
+async def current_headers(api_key: ApiKey) -> dict[str, str]:
+    """x-ratelimit-* headers for a response that reserves nothing (e.g. GET /v1/models)."""
+    return await get_limiter().current_headers(api_key)

@@ -1,0 +1,245 @@
+"""What both limiter backends share: limits, verdicts, refusal errors, x-ratelimit-* headers, and
+the backend-independent half of admission (seeding, cancellation, the Admission)."""
+
+import asyncio
+import datetime
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from asgiref.sync import sync_to_async
+from django.utils import timezone
+
+from accounts.models import ApiKey
+from accounts.selectors import api_key_month_tokens, month_start
+
+CODE_RATE_LIMIT = "rate_limit_exceeded"
+CODE_QUOTA = "insufficient_quota"
+
+ERROR_REQUESTS = "Rate limit reached for requests per minute (limit {limit}). Try again in {reset}."
+ERROR_TOKENS = (
+    "Rate limit reached for tokens per minute (limit {limit}, in use {used}, requested "
+    "{requested}). Try again in {reset}."
+)
+ERROR_TOO_LARGE = (
+    "Request too large for tokens per minute (limit {limit}, requested {requested}). Lower "
+    "max_tokens or shorten the prompt."
+)
+ERROR_PARALLEL = "Too many parallel requests for this key (limit {limit}). Try again shortly."
+ERROR_BUDGET = (
+    "This key's monthly token budget is exhausted (budget {limit}, used or reserved {used}, "
+    "requested {requested})."
+)
+
+WINDOW_SECONDS = 60
+# A request that outlives its lease stops holding a parallel slot; long enough for any real
+# generation, short enough that a crashed process's slots come back.
+PARALLEL_LEASE_SECONDS = 3600
+# An idle key's budget counter is dropped after this and re-seeded from the database, which
+# washes out any drift (e.g. a release lost with a crashed process).
+BUDGET_IDLE_SECONDS = 86400
+
+
+class RateLimitExceeded(Exception):
+    def __init__(self, message: str, *, code: str, limit: str, headers: dict[str, str]):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.limit = limit  # which limit refused: "requests", "tokens", "parallel", "budget"
+        self.headers = headers
+
+
+@dataclass
+class Admission:
+    """A granted admission. `release` must run exactly once the request ends, after its usage row
+    is finished (inference.execution's `Execution._finish` does both); it is idempotent and
+    cannot be interrupted half-way by cancellation."""
+
+    headers: dict[str, str]
+    _release: Callable[[int], Awaitable[None]] | None = field(default=None, repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    async def release(self, *, used_tokens: int) -> None:
+        if self._released or self._release is None:
+            self._released = True
+            return
+        self._released = True
+        await self._release(max(0, used_tokens))
+
+
+class Status(IntEnum):
+    ADMITTED = 0
+    REJECTED = 1
+    NEED_SEED = 2
+
+
+@dataclass(frozen=True)
+class Limits:
+    ident: str
+    api_key_id: int
+    rpm: int | None
+    tpm: int | None
+    max_parallel: int | None
+    budget: int | None
+
+    @classmethod
+    def of(cls, api_key: ApiKey) -> "Limits":
+        return cls(
+            ident=api_key.prefix,
+            api_key_id=api_key.pk,
+            rpm=api_key.rpm,
+            tpm=api_key.tpm,
+            max_parallel=api_key.max_parallel,
+            budget=api_key.budget_tokens,
+        )
+
+    @property
+    def unlimited(self) -> bool:
+        return all(v is None for v in (self.rpm, self.tpm, self.max_parallel, self.budget))
+
+    @property
+    def tracks_inflight(self) -> bool:
+        return self.max_parallel is not None or self.budget is not None
+
+
+@dataclass
+class Verdict:
+    status: Status
+    reason: str = ""  # "requests" | "tokens" | "too_large" | "parallel" | "budget"
+    requests: int = 0  # in the rpm window (after this admission when admitted)
+    tokens: int = 0  # in the tpm window
+    requests_reset_ms: int = 0  # until the rpm window is empty
+    tokens_reset_ms: int = 0
+    retry_ms: int = -1  # until the refused limit has room; -1 unknown
+    budget_used: int = 0  # finished + in flight, before this request
+
+
+def format_duration(ms: int) -> str:
+    """OpenAI's (Go's) duration format: "20ms", "1s", "1.5s", "6m0s", "1h0m0s"."""
+    ms = max(0, int(ms))
+    if ms == 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    if hours:
+        return f"{hours}h{minutes}m{seconds}s"
+    if minutes:
+        return f"{minutes}m{seconds}s"
+    return f"{seconds}s"
+
+
+def _headers(limits: Limits, verdict: Verdict) -> dict[str, str]:
+    headers = {}
+    if limits.rpm is not None:
+        headers["x-ratelimit-limit-requests"] = str(limits.rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm - verdict.requests))
+        headers["x-ratelimit-reset-requests"] = format_duration(verdict.requests_reset_ms)
+    if limits.tpm is not None:
+        headers["x-ratelimit-limit-tokens"] = str(limits.tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, limits.tpm - verdict.tokens))
+        headers["x-ratelimit-reset-tokens"] = format_duration(verdict.tokens_reset_ms)
+    return headers
+
+
+def _refusal(limits: Limits, verdict: Verdict, reserved: int) -> RateLimitExceeded:
+    headers = _headers(limits, verdict)
+    reset = format_duration(verdict.retry_ms)
+    if verdict.reason == "budget":
+        message = ERROR_BUDGET.format(
+            limit=limits.budget, used=verdict.budget_used, requested=reserved
+        )
+        code, limit = CODE_QUOTA, "budget"
+    elif verdict.reason == "too_large":
+        message = ERROR_TOO_LARGE.format(limit=limits.tpm, requested=reserved)
+        code, limit = CODE_RATE_LIMIT, "tokens"
+    elif verdict.reason == "tokens":
+        message = ERROR_TOKENS.format(
+            limit=limits.tpm, used=verdict.tokens, requested=reserved, reset=reset
+        )
+        code, limit = CODE_RATE_LIMIT, "tokens"
+    elif verdict.reason == "requests":
+        message = ERROR_REQUESTS.format(limit=limits.rpm, reset=reset)
+        code, limit = CODE_RATE_LIMIT, "requests"
+    else:
+        message = ERROR_PARALLEL.format(limit=limits.max_parallel)
+        code, limit = CODE_RATE_LIMIT, "parallel"
+    if verdict.reason in ("budget", "too_large"):
+        # Waiting cannot help; the official clients honour this header and don't retry.
+        headers["x-should-retry"] = "false"
+    elif verdict.retry_ms >= 0:
+        headers["retry-after-ms"] = str(verdict.retry_ms)
+        headers["retry-after"] = str(max(1, -(-verdict.retry_ms // 1000)))
+    return RateLimitExceeded(message, code=code, limit=limit, headers=headers)
+
+
+# Releases started on behalf of cancelled admissions (a task needs a reference to finish).
+_background: set[asyncio.Task] = set()
+
+
+class Limiter:
+    """The backend-independent half: seeding, headers, errors, the Admission."""
+
+    async def admit(self, api_key: ApiKey, *, reserved_tokens: int) -> Admission:
+        limits = Limits.of(api_key)
+        if limits.unlimited:
+            return Admission(headers={})
+        reserved = max(0, int(reserved_tokens))
+        month = month_start(timezone.now().date())
+        admission_id = uuid.uuid4().hex
+        seed = None
+        while True:
+            verdict = await self._check_or_undo(limits, admission_id, reserved, month, seed)
+            if verdict.status != Status.NEED_SEED:
+                break
+            seed = await sync_to_async(api_key_month_tokens)(
+                api_key_id=limits.api_key_id, month=month
+            )
+        if verdict.status == Status.REJECTED:
+            raise _refusal(limits, verdict, reserved)
+
+        async def release(used_tokens: int) -> None:
+            await self._release(limits, admission_id, used_tokens, month)
+
+        return Admission(headers=_headers(limits, verdict), _release=release)
+
+    async def _check_or_undo(self, limits, admission_id, reserved, month, seed) -> Verdict:
+        """The check, run to its end even if the caller is cancelled meanwhile; a reservation it
+        makes for a caller that is gone is released at once instead of leaking until expiry."""
+        check = asyncio.ensure_future(self._check(limits, admission_id, reserved, month, seed))
+        try:
+            return await asyncio.shield(check)
+        except asyncio.CancelledError:
+
+            def undo(done: asyncio.Future) -> None:
+                if done.cancelled() or done.exception() is not None:
+                    return
+                if done.result().status == Status.ADMITTED:
+                    task = asyncio.ensure_future(self._release(limits, admission_id, 0, month))
+                    _background.add(task)
+                    task.add_done_callback(_background.discard)
+
+            check.add_done_callback(undo)
+            raise
+
+    async def current_headers(self, api_key: ApiKey) -> dict[str, str]:
+        limits = Limits.of(api_key)
+        if limits.rpm is None and limits.tpm is None:
+            return {}
+        return _headers(limits, await self._peek(limits))
+
+    async def _check(
+        self, limits: Limits, admission_id: str, reserved: int, month: datetime.date, seed
+    ) -> Verdict:
+        raise NotImplementedError
+
+    async def _peek(self, limits: Limits) -> Verdict:
+        raise NotImplementedError
+
+    async def _release(
+        self, limits: Limits, admission_id: str, used: int, month: datetime.date
+    ) -> None:
+        raise NotImplementedError

@@ -1,0 +1,169 @@
+"""The in-process backend (REDIS_URL unset): counters behind one `threading.Lock`, because the web
+process may run several event-loop threads; nothing is awaited while it is held."""
+
+import datetime
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from accounts.limits.base import (
+    BUDGET_IDLE_SECONDS,
+    PARALLEL_LEASE_SECONDS,
+    WINDOW_SECONDS,
+    Limiter,
+    Status,
+    Verdict,
+)
+
+
+@dataclass
+class _KeyState:
+    # Oldest first: admission times; id -> [time, tokens]; id -> (lease end, reserved tokens).
+    requests: deque[float] = field(default_factory=deque)
+    tokens: dict[str, list] = field(default_factory=dict)
+    inflight: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.requests or self.tokens or self.inflight)
+
+
+@dataclass
+class _Budget:
+    finished: int  # the month's finished tokens, seeded from the database and advanced by releases
+    expires_at: float  # then dropped and re-seeded, as the Redis backend's key TTL does
+
+
+class InProcessLimiter(Limiter):
+    def __init__(
+        self,
+        *,
+        window_seconds: float = WINDOW_SECONDS,
+        lease_seconds: float = PARALLEL_LEASE_SECONDS,
+        budget_idle_seconds: float = BUDGET_IDLE_SECONDS,
+    ):
+        self._window_ms = window_seconds * 1000
+        self._lease_ms = lease_seconds * 1000
+        self._budget_idle_ms = budget_idle_seconds * 1000
+        self._lock = threading.Lock()
+        self._keys: dict[str, _KeyState] = {}
+        self._used: dict[tuple[str, datetime.date], _Budget] = {}
+        self._next_sweep_at = 0.0
+
+    def _purge(self, state: _KeyState, now: float) -> None:
+        horizon = now - self._window_ms
+        while state.requests and state.requests[0] <= horizon:
+            state.requests.popleft()
+        while state.tokens:
+            first = next(iter(state.tokens))
+            if state.tokens[first][0] > horizon:
+                break
+            del state.tokens[first]
+        while state.inflight:
+            first = next(iter(state.inflight))
+            if state.inflight[first][0] > now:
+                break
+            del state.inflight[first]
+
+    def _sweep(self, now: float) -> None:
+        # Without this, every key ever seen (and every month of it) would stay in memory. A pass
+        # over all of them costs O(keys), so it runs at most once a window, not per request.
+        if now < self._next_sweep_at:
+            return
+        self._next_sweep_at = now + self._window_ms
+        for ident, state in list(self._keys.items()):
+            self._purge(state, now)
+            if state.empty:
+                del self._keys[ident]
+        for used_key, budget in list(self._used.items()):
+            if budget.expires_at <= now:
+                del self._used[used_key]
+
+    def _counts(self, state: _KeyState, now: float) -> Verdict:
+        verdict = Verdict(status=Status.ADMITTED)
+        verdict.requests = len(state.requests)
+        if state.requests:
+            verdict.requests_reset_ms = int(state.requests[-1] + self._window_ms - now)
+        verdict.tokens = sum(tokens for _, tokens in state.tokens.values())
+        if state.tokens:
+            newest = state.tokens[next(reversed(state.tokens))][0]
+            verdict.tokens_reset_ms = int(newest + self._window_ms - now)
+        return verdict
+
+    def _tokens_retry_ms(self, state: _KeyState, excess: int, now: float) -> int:
+        freed = 0
+        for at, tokens in state.tokens.values():
+            freed += tokens
+            if freed >= excess:
+                return int(at + self._window_ms - now)
+        return -1
+
+    async def _check(self, limits, admission_id, reserved, month, seed) -> Verdict:
+        with self._lock:
+            now = time.monotonic() * 1000
+            self._sweep(now)
+            state = self._keys.setdefault(limits.ident, _KeyState())
+            self._purge(state, now)
+            verdict = self._counts(state, now)
+            budget = None
+            if limits.budget is not None:
+                used_key = (limits.ident, month)
+                budget = self._used.get(used_key)
+                if budget is None or budget.expires_at <= now:
+                    if seed is None:
+                        return Verdict(status=Status.NEED_SEED)
+                    budget = self._used[used_key] = _Budget(seed, now + self._budget_idle_ms)
+                in_flight = sum(tokens for _, tokens in state.inflight.values())
+                verdict.budget_used = budget.finished + in_flight
+                if verdict.budget_used + reserved > limits.budget:
+                    verdict.status, verdict.reason = Status.REJECTED, "budget"
+                    return verdict
+            if limits.tpm is not None and reserved > limits.tpm:
+                verdict.status, verdict.reason = Status.REJECTED, "too_large"
+                return verdict
+            if limits.rpm is not None and verdict.requests + 1 > limits.rpm:
+                verdict.status, verdict.reason = Status.REJECTED, "requests"
+                verdict.retry_ms = int(state.requests[0] + self._window_ms - now)
+                return verdict
+            if limits.tpm is not None and verdict.tokens + reserved > limits.tpm:
+                verdict.status, verdict.reason = Status.REJECTED, "tokens"
+                excess = verdict.tokens + reserved - limits.tpm
+                verdict.retry_ms = self._tokens_retry_ms(state, excess, now)
+                return verdict
+            if limits.max_parallel is not None and len(state.inflight) >= limits.max_parallel:
+                verdict.status, verdict.reason = Status.REJECTED, "parallel"
+                return verdict
+            if limits.rpm is not None:
+                state.requests.append(now)
+                verdict.requests += 1
+                verdict.requests_reset_ms = int(self._window_ms)
+            if limits.tpm is not None:
+                state.tokens[admission_id] = [now, reserved]
+                verdict.tokens += reserved
+                verdict.tokens_reset_ms = int(self._window_ms)
+            if limits.tracks_inflight:
+                state.inflight[admission_id] = (now + self._lease_ms, reserved)
+            if budget is not None:
+                budget.expires_at = now + self._budget_idle_ms
+            return verdict
+
+    async def _peek(self, limits) -> Verdict:
+        with self._lock:
+            now = time.monotonic() * 1000
+            self._sweep(now)
+            # Not stored: a key that is only looked at must not occupy memory.
+            state = self._keys.get(limits.ident) or _KeyState()
+            self._purge(state, now)
+            return self._counts(state, now)
+
+    async def _release(self, limits, admission_id, used, month) -> None:
+        with self._lock:
+            state = self._keys.get(limits.ident)
+            if state is not None:
+                if admission_id in state.tokens:
+                    state.tokens[admission_id][1] = used
+                state.inflight.pop(admission_id, None)
+            budget = self._used.get((limits.ident, month))
+            if limits.budget is not None and budget is not None:
+                budget.finished += used

@@ -1,0 +1,217 @@
+"""The Redis backend (REDIS_URL set): one Lua script per admission and per release, so every
+process shares the counters and no read-modify-write race is possible. Keys carry TTLs."""
+
+import asyncio
+import datetime
+from concurrent.futures import ThreadPoolExecutor
+
+import redis
+from django.utils import timezone
+
+from accounts.limits.base import (
+    BUDGET_IDLE_SECONDS,
+    PARALLEL_LEASE_SECONDS,
+    WINDOW_SECONDS,
+    Limiter,
+    Limits,
+    Status,
+    Verdict,
+)
+from accounts.selectors import month_start
+
+REDIS_NAMESPACE = "orchard:limits:"
+
+# KEYS: 1 rpm log (zset id->time), 2 tpm log (zset id->time), 3 tpm tokens (hash id->tokens),
+#       4 in-flight leases (zset id->lease end), 5 in-flight reservations (hash id->tokens),
+#       6 the month's finished tokens (string)
+# ARGV: 1 id, 2 reserved, 3 rpm, 4 tpm, 5 max parallel, 6 budget (-1: no limit), 7 seed (-1: none),
+#       8 window ms, 9 lease ms, 10 budget idle ms, 11 mode ("admit" | "peek")
+# Returns {status, reason, requests, tokens, requests reset ms, tokens reset ms, retry ms, budget}.
+_ADMIT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id, reserved = ARGV[1], tonumber(ARGV[2])
+local rpm, tpm, par = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local budget, seed = tonumber(ARGV[6]), tonumber(ARGV[7])
+local window, lease, idle = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+
+local function purge(zkey, hkey, upto)
+  local old = redis.call('ZRANGEBYSCORE', zkey, '-inf', upto)
+  for _, member in ipairs(old) do
+    if hkey then redis.call('HDEL', hkey, member) end
+  end
+  if #old > 0 then redis.call('ZREMRANGEBYSCORE', zkey, '-inf', upto) end
+end
+local function hsum(hkey)
+  local total = 0
+  for _, v in ipairs(redis.call('HVALS', hkey)) do total = total + tonumber(v) end
+  return total
+end
+local function reset_ms(zkey)
+  local newest = redis.call('ZRANGE', zkey, -1, -1, 'WITHSCORES')
+  if #newest == 0 then return 0 end
+  return tonumber(newest[2]) + window - now
+end
+
+purge(KEYS[1], nil, now - window)
+purge(KEYS[2], KEYS[3], now - window)
+purge(KEYS[4], KEYS[5], now)
+local requests = redis.call('ZCARD', KEYS[1])
+local tokens = hsum(KEYS[3])
+local rreset, treset = reset_ms(KEYS[1]), reset_ms(KEYS[2])
+if ARGV[11] == 'peek' then return {0, '', requests, tokens, rreset, treset, -1, 0} end
+
+local used = 0
+if budget >= 0 then
+  local finished = redis.call('GET', KEYS[6])
+  if not finished then
+    if seed < 0 then return {2, '', 0, 0, 0, 0, -1, 0} end
+    redis.call('SET', KEYS[6], seed, 'PX', idle)
+    finished = seed
+  end
+  used = tonumber(finished) + hsum(KEYS[5])
+  if used + reserved > budget then
+    return {1, 'budget', requests, tokens, rreset, treset, -1, used}
+  end
+end
+if tpm >= 0 and reserved > tpm then
+  return {1, 'too_large', requests, tokens, rreset, treset, -1, used}
+end
+if rpm >= 0 and requests + 1 > rpm then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {1, 'requests', requests, tokens, rreset, treset,
+          tonumber(oldest[2]) + window - now, used}
+end
+if tpm >= 0 and tokens + reserved > tpm then
+  local excess, freed, retry = tokens + reserved - tpm, 0, -1
+  local log = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+  for i = 1, #log, 2 do
+    freed = freed + tonumber(redis.call('HGET', KEYS[3], log[i]) or 0)
+    if freed >= excess then retry = tonumber(log[i + 1]) + window - now break end
+  end
+  return {1, 'tokens', requests, tokens, rreset, treset, retry, used}
+end
+if par >= 0 and redis.call('ZCARD', KEYS[4]) >= par then
+  return {1, 'parallel', requests, tokens, rreset, treset, -1, used}
+end
+
+if rpm >= 0 then
+  redis.call('ZADD', KEYS[1], now, id)
+  redis.call('PEXPIRE', KEYS[1], window)
+  requests, rreset = requests + 1, window
+end
+if tpm >= 0 then
+  redis.call('ZADD', KEYS[2], now, id)
+  redis.call('HSET', KEYS[3], id, reserved)
+  redis.call('PEXPIRE', KEYS[2], window)
+  redis.call('PEXPIRE', KEYS[3], window)
+  tokens, treset = tokens + reserved, window
+end
+if par >= 0 or budget >= 0 then
+  redis.call('ZADD', KEYS[4], now + lease, id)
+  redis.call('HSET', KEYS[5], id, reserved)
+  redis.call('PEXPIRE', KEYS[4], lease)
+  redis.call('PEXPIRE', KEYS[5], lease)
+end
+if budget >= 0 then redis.call('PEXPIRE', KEYS[6], idle) end
+return {0, '', requests, tokens, rreset, treset, -1, used}
+"""
+
+# KEYS: 3 tpm tokens, 4 in-flight leases, 5 in-flight reservations, 6 month's finished tokens
+# ARGV: 1 id, 2 used tokens
+_RELEASE_LUA = """
+local id, used = ARGV[1], tonumber(ARGV[2])
+if redis.call('HEXISTS', KEYS[1], id) == 1 then redis.call('HSET', KEYS[1], id, used) end
+redis.call('ZREM', KEYS[2], id)
+local held = redis.call('HDEL', KEYS[3], id)
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], used) end
+return held
+"""
+
+
+class RedisLimiter(Limiter):
+    """Counters in Redis, shared by every process. The client is the synchronous one run on a
+    small thread pool: its connection pool is thread-safe, whereas an asyncio client is bound to
+    one event loop and the web process may run several."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        namespace: str = REDIS_NAMESPACE,
+        window_seconds: float = WINDOW_SECONDS,
+        lease_seconds: float = PARALLEL_LEASE_SECONDS,
+        budget_idle_seconds: float = BUDGET_IDLE_SECONDS,
+    ):
+        self._client = redis.Redis.from_url(url)
+        self._namespace = namespace
+        self._window_ms = int(window_seconds * 1000)
+        self._lease_ms = int(lease_seconds * 1000)
+        self._budget_idle_ms = int(budget_idle_seconds * 1000)
+        self._admit_script = self._client.register_script(_ADMIT_LUA)
+        self._release_script = self._client.register_script(_RELEASE_LUA)
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="orchard-limits")
+
+    def _keys(self, ident: str, month: datetime.date) -> list[str]:
+        # The {hash tag} keeps one key's counters in one Redis Cluster slot (Lua needs that).
+        base = f"{self._namespace}{{{ident}}}:"
+        return [
+            base + "rpm",
+            base + "tpm",
+            base + "tpm-tokens",
+            base + "inflight",
+            base + "inflight-tokens",
+            base + f"used:{month:%Y-%m}",
+        ]
+
+    async def _run(self, fn, *args):
+        # Shielded: a cancelled caller must not drop a release that is queued but not yet running.
+        loop = asyncio.get_running_loop()
+        return await asyncio.shield(loop.run_in_executor(self._executor, fn, *args))
+
+    def _script(self, limits: Limits, admission_id, reserved, month, seed, mode) -> Verdict:
+        def arg(value):
+            return -1 if value is None else int(value)
+
+        result = self._admit_script(
+            keys=self._keys(limits.ident, month),
+            args=[
+                admission_id,
+                reserved,
+                arg(limits.rpm),
+                arg(limits.tpm),
+                arg(limits.max_parallel),
+                arg(limits.budget),
+                arg(seed),
+                self._window_ms,
+                self._lease_ms,
+                self._budget_idle_ms,
+                mode,
+            ],
+        )
+        status, reason, requests, tokens, rreset, treset, retry, used = result
+        return Verdict(
+            status=Status(status),
+            reason=reason.decode() if isinstance(reason, bytes) else reason,
+            requests=requests,
+            tokens=tokens,
+            requests_reset_ms=rreset,
+            tokens_reset_ms=treset,
+            retry_ms=retry,
+            budget_used=used,
+        )
+
+    async def _check(self, limits, admission_id, reserved, month, seed) -> Verdict:
+        return await self._run(self._script, limits, admission_id, reserved, month, seed, "admit")
+
+    async def _peek(self, limits) -> Verdict:
+        month = month_start(timezone.now().date())
+        return await self._run(self._script, limits, "", 0, month, None, "peek")
+
+    async def _release(self, limits, admission_id, used, month) -> None:
+        keys = self._keys(limits.ident, month)[2:]
+        await self._run(lambda: self._release_script(keys=keys, args=[admission_id, used]))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._client.close()
