@@ -7,6 +7,7 @@ teams they own; a member sees their own keys read-only (accounts.selectors). Sea
 raw key: one pasted into a search box is cut to its prefix before the page is built.
 """
 
+import uuid
 from datetime import timedelta
 
 from django import forms
@@ -29,6 +30,10 @@ from accounts.services import api_key_create, api_key_revoke, api_key_rotate
 
 ERROR_NOT_A_MEMBER = "The key's user must be a member of the team."
 SHOW_ONCE_TEMPLATE = "admin/accounts/apikey/show_once.html"
+ERROR_ALREADY_CREATED = (
+    "This form was already submitted: it created key {prefix}…, whose secret was shown once. "
+    "Rotate that key if the secret was lost; open a new form to create another key."
+)
 MESSAGE_SEARCH_REDACTED = (
     "Searched by the key's prefix. Search with the prefix the admin shows (sk-orch-XXXXXXXX), not "
     "the whole key: a URL holding a key ends up in logs and browser history."
@@ -139,10 +144,18 @@ class ModelNamesField(forms.CharField):
         return sorted({name.strip() for name in (value or "").split(",") if name.strip()})
 
 
+def _new_creation_token() -> str:
+    return uuid.uuid4().hex
+
+
 class ApiKeyForm(forms.ModelForm):
     allowed_models = ModelNamesField(
         required=False,
         help_text="Comma-separated model names; used when 'all models' is off.",
+    )
+    # Not the model field's name: the admin would then treat it as a (non-editable) model field.
+    submission_token = forms.CharField(
+        widget=forms.HiddenInput, required=False, initial=_new_creation_token
     )
 
     class Meta:
@@ -162,6 +175,11 @@ class ApiKeyForm(forms.ModelForm):
 
     def clean(self):
         cleaned = super().clean()
+        token = cleaned.get("submission_token")
+        if self.instance._state.adding and token:
+            existing = ApiKey.objects.filter(creation_token=token).first()
+            if existing is not None:
+                raise forms.ValidationError(ERROR_ALREADY_CREATED.format(prefix=existing.prefix))
         team, user = cleaned.get("team"), cleaned.get("user")
         if team and user and not Membership.objects.filter(team=team, user=user).exists():
             raise forms.ValidationError(ERROR_NOT_A_MEMBER)
@@ -290,6 +308,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
             budget_tokens=data["budget_tokens"],
             expires_at=data["expires_at"],
             created_by=request.user,
+            creation_token=data.get("submission_token") or None,
         )
         # The admin logs and redirects with `obj`; make it the key the service created.
         for field in ApiKey._meta.concrete_fields:

@@ -70,6 +70,11 @@ class ApiKey(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The admin form's one-time token: a resubmitted form (a reload of the show-once page)
+    # finds its key instead of creating a second one that nobody has seen.
+    creation_token = models.CharField(
+        max_length=32, null=True, blank=True, unique=True, editable=False
+    )
 
     objects = ApiKeyQuerySet.as_manager()
 

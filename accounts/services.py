@@ -47,9 +47,11 @@ def api_key_create(
     budget_tokens: int | None = None,
     expires_at: datetime | None = None,
     created_by: AbstractBaseUser | None = None,
+    creation_token: str | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns it with the raw key, which is not stored and cannot be shown again.
-    `models=None` allows every model."""
+    `models=None` allows every model; `creation_token` makes a form submission create one key
+    however often it is resubmitted (it is unique)."""
     raw_key = keys.generate_key()
     api_key = ApiKey.objects.create(
         prefix=keys.lookup_prefix(raw_key),
@@ -65,6 +67,7 @@ def api_key_create(
         max_parallel=max_parallel,
         budget_tokens=budget_tokens,
         expires_at=expires_at,
+        creation_token=creation_token,
     )
     return api_key, raw_key
 

@@ -308,3 +308,33 @@ def test_a_raw_key_in_a_search_is_cut_to_its_prefix(admin_client, url_name):
     page = admin_client.get(response["Location"])
     assert raw_key not in page.content.decode()
     assert page.context["cl"].result_count == 1
+
+
+def test_resubmitting_the_add_form_does_not_create_a_second_key(client, django_user_model):
+    from accounts.models import ApiKey, Membership, Team
+
+    admin_user = django_user_model.objects.create_superuser("root", password="pw")
+    team = Team.objects.create(name="resubmit")
+    Membership.objects.create(team=team, user=admin_user, role="owner")
+    client.force_login(admin_user)
+    form = {
+        "name": "once",
+        "team": team.pk,
+        "user": admin_user.pk,
+        "all_models": "on",
+        "allowed_models": "",
+        "submission_token": "f" * 32,
+    }
+    first = client.post("/admin/accounts/apikey/add/", form)
+    assert first.status_code == 200 and b"sk-orch-" in first.content
+    again = client.post("/admin/accounts/apikey/add/", form)  # the browser's "resubmit"
+    assert b"already submitted" in again.content
+    assert ApiKey.objects.filter(name="once").count() == 1
+
+
+def test_add_form_carries_a_fresh_submission_token(client, django_user_model):
+    admin_user = django_user_model.objects.create_superuser("root2", password="pw")
+    client.force_login(admin_user)
+    pages = [client.get("/admin/accounts/apikey/add/").content.decode() for _ in range(2)]
+    tokens = [page.split('name="submission_token" value="')[1][:32] for page in pages]
+    assert tokens[0] != tokens[1]
