@@ -234,11 +234,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
         "user",
         "status",
         "models",
-        "rpm",
-        "tpm",
-        "max_parallel",
-        "budget_tokens",
-        "expires_at",
+        "limits",
         "last_used_at",
     ]
     list_filter = [StatusFilter, ExpiryFilter, ("team", VisibleTeamFilter)]
@@ -289,6 +285,20 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
         return "expired" if obj.is_expired else "active"
 
     @admin.display(description="models")
+    @admin.display(description="limits")
+    def limits(self, obj: ApiKey) -> str:
+        parts = [
+            f"{label} {value:,}"
+            for label, value in (
+                ("rpm", obj.rpm),
+                ("tpm", obj.tpm),
+                ("parallel", obj.max_parallel),
+                ("budget", obj.budget_tokens),
+            )
+            if value is not None
+        ]
+        return " · ".join(parts) or "none"
+
     def models(self, obj: ApiKey) -> str:
         return "all" if obj.all_models else ", ".join(obj.allowed_models)
 
