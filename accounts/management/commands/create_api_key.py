@@ -1,3 +1,4 @@
+import argparse
 from datetime import timedelta
 
 from django.core.management.base import BaseCommand, CommandError
@@ -7,9 +8,12 @@ from accounts.services import api_key_create, team_membership_ensure, user_get_o
 
 
 def _positive(value: str) -> int:
-    number = int(value)
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
     if number < 1:
-        raise ValueError(value)
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, not {value!r}")
     return number
 
 
