@@ -1,242 +1,18 @@
-"""Engine loops: one thread per model runs schedule → run → update; aborts land between steps.
-
-`EngineLoop` is what both engines share: the thread (which also loads the model, so only it
-touches MLX), a thread-safe inbox for new requests and aborts, admission (validation and the
-waiting-queue limit, raised on the caller's thread before any work), turning sampled tokens into
-`GenerationOutput` events, and stats. `BatchedEngine` is continuous batching; the serialized
-engine is in engine/simple.py.
-"""
+"""The continuous-batching engine on the shared loop of engine/loop.py: the scheduler decides
+who runs each step (engine/scheduler.py), the runner computes it (engine/runner.py)."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import logging
-import queue
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
 
-from engine.constraints import JsonConstraint
-from engine.detokenizer import StreamDetokenizer, skipped_token_ids, token_bytes, token_text
-from engine.loader import LoadedModel
-from engine.protocol import (
-    EngineOverloadedError,
-    EngineStats,
-    GenerationOutput,
-    GenerationRequest,
-    InvalidRequestError,
-    ModelInfo,
-    ModelSpec,
-    RequestStatus,
-    TokenLogprob,
-    TopLogprob,
-)
-from engine.request import Emit, Request, Sequence
-from engine.runner import BatchRunner, Sampled
-from engine.sampling import SamplingState
+from engine.loop import DRAIN, STOP, EngineLoop, describe, end_queued
+from engine.protocol import GenerationRequest, InvalidRequestError, RequestStatus
+from engine.request import Emit
+from engine.runner import BatchRunner
 from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-STOP = object()  # inbox command: end the loop
-THROUGHPUT_WINDOW_S = 10.0
-
-
-class EngineLoop:
-    """Base of the engines: lifecycle, inbox, admission, output events, stats."""
-
-    def __init__(self, spec: ModelSpec, load: Callable[[], LoadedModel]):
-        self.spec = spec
-        self._load = load
-        self.loaded: LoadedModel | None = None
-        self.ready: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._num_queued = 0  # submitted, not yet seen by the engine thread
-        self._num_waiting = 0  # seen, not yet running (published by the engine thread)
-        self._num_running = 0
-        self._meter = _Meter()
-        self._thread = threading.Thread(
-            target=self._main, name=f"orchard-engine-{spec.name}", daemon=True
-        )
-
-    @property
-    def info(self) -> ModelInfo:
-        return self.ready.result()
-
-    def start(self) -> concurrent.futures.Future[ModelInfo]:
-        self._thread.start()
-        return self.ready
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Abort everything in flight and join the thread."""
-        if self._thread.is_alive():
-            self._inbox.put((STOP, None))
-            self._thread.join(timeout)
-
-    def submit(self, spec: GenerationRequest, emit: Emit) -> None:
-        """Queue a request (thread-safe); bad input and a full queue raise here, before any work.
-
-        `emit` is called on the engine thread for every output event; it must not block.
-        """
-        request = self.make_request(spec, emit)
-        with self._lock:
-            if self._num_queued + self._num_waiting >= self.spec.max_waiting:
-                raise EngineOverloadedError(f"Model {self.spec.name} is overloaded; retry later.")
-            self._num_queued += 1
-        self._inbox.put(("add", request))
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe); a no-op when it has finished or is unknown."""
-        self._inbox.put(("abort", request_id))
-
-    def stats(self) -> EngineStats:
-        with self._lock:
-            num_waiting, num_running = self._num_queued + self._num_waiting, self._num_running
-        return self._meter.snapshot(self.spec.name, num_waiting, num_running)
-
-    def make_request(self, spec: GenerationRequest, emit: Emit) -> Request:
-        info, tokenizer = self.info, self.loaded.tokenizer
-        params = spec.sampling
-        params.validate(vocab_size=info.vocab_size)
-        num_prompt = len(spec.prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("The prompt is empty.", param="prompt")
-        if any(not 0 <= t < info.vocab_size for t in spec.prompt_token_ids):
-            raise InvalidRequestError(
-                "The prompt has token ids outside the vocabulary.", param="prompt"
-            )
-        if num_prompt + (params.max_tokens or 1) > info.context_length:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {info.context_length} tokens; the prompt "
-                f"has {num_prompt} and up to {params.max_tokens or 1} more were requested.",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        request = Request(
-            spec, emit, max_tokens=params.max_tokens or info.context_length - num_prompt
-        )
-        for index in range(params.n):
-            state = SamplingState(
-                params,
-                prompt_token_ids=spec.prompt_token_ids,
-                eos_token_ids=info.eos_token_ids,
-                vocab_size=info.vocab_size,
-                choice_index=index,
-            )
-            detokenizer = StreamDetokenizer(tokenizer, stop=params.stop)
-            sequence = Sequence(request, index, state, detokenizer)
-            if params.json_mode:
-                sequence.constraint = JsonConstraint(
-                    functools.partial(token_bytes, tokenizer),
-                    functools.partial(tokenizer.encode, add_special_tokens=False),
-                    banned=skipped_token_ids(tokenizer)
-                    | set(info.eos_token_ids)
-                    | set(params.stop_token_ids),
-                )
-            request.sequences.append(sequence)
-        return request
-
-    def _main(self) -> None:
-        try:
-            self.loaded = self._load()
-            self.setup()
-        except BaseException as exc:
-            self.ready.set_exception(exc)
-            return
-        self.ready.set_result(self.loaded.info)
-        try:
-            self.run()
-        finally:
-            self.close()
-
-    def _take(self, block: bool) -> list:
-        """Commands from the inbox: all that are there, waiting for the first one if `block`."""
-        commands = []
-        try:
-            commands.append(self._inbox.get(block=block))
-            while True:
-                commands.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        added = sum(1 for kind, _ in commands if kind == "add")
-        if added:
-            with self._lock:
-                self._num_queued -= added
-        return commands
-
-    def _publish(self, num_waiting: int, num_running: int) -> None:
-        with self._lock:
-            self._num_waiting, self._num_running = num_waiting, num_running
-
-    def accept(self, sampled: Sampled) -> None:
-        """Record one sampled token: stop checks, text, and the event for the caller."""
-        seq, token = sampled.seq, sampled.token_id
-        request, params = seq.request, seq.sampling_state.params
-        seq.output_token_ids.append(token)
-        seq.sampling_state.append(token)
-        status = None
-        if token in params.stop_token_ids or (
-            token in self.info.eos_token_ids and not params.ignore_eos
-        ):
-            text = ""
-            status = RequestStatus.FINISHED_STOPPED
-        else:
-            text = seq.detokenizer.add(
-                token, match_stop=len(seq.output_token_ids) >= params.min_tokens
-            )
-            if seq.constraint is not None:
-                seq.constraint.accept(token)
-            if seq.detokenizer.stopped or (seq.constraint and seq.constraint.is_complete):
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and len(seq.output_token_ids) >= request.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            text += seq.detokenizer.flush()
-            seq.status = status
-        logprobs = None
-        if params.logprobs:
-            tokenizer = self.loaded.tokenizer
-            top = tuple(TopLogprob(token_text(tokenizer, t), t, lp) for t, lp in sampled.top)
-            logprobs = (TokenLogprob(token_text(tokenizer, token), token, sampled.logprob, top),)
-        self._meter.num_generated_tokens += 1
-        request.emit(
-            GenerationOutput(
-                index=seq.index,
-                text=text,
-                token_ids=(token,),
-                finish_reason=status.finish_reason if status else None,
-                logprobs=logprobs,
-                num_prompt_tokens=request.num_prompt_tokens,
-            )
-        )
-
-    @staticmethod
-    def finish(request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """End every live sequence of a request with `status` and tell the caller."""
-        for seq in request.live_sequences():
-            seq.status = status
-            request.emit(
-                GenerationOutput(
-                    index=seq.index,
-                    text="",
-                    token_ids=(),
-                    finish_reason=status.finish_reason,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    error=error,
-                )
-            )
-
-    def setup(self) -> None:
-        """Build per-model state on the engine thread, after loading."""
-
-    def run(self) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Abort what is left when the loop ends."""
 
 
 class BatchedEngine(EngineLoop):
@@ -251,33 +27,65 @@ class BatchedEngine(EngineLoop):
 
     def run(self) -> None:
         while True:
-            for kind, payload in self._take(block=not self.scheduler.has_work()):
+            block = not (self.scheduler.has_work() or self._draining)
+            for kind, payload in self._take(block=block):
                 if kind is STOP:
                     return
-                if kind == "add":
-                    self.scheduler.add(payload)
+                if kind is DRAIN:
+                    self._draining = True
+                elif kind == "add":
+                    self._add(payload)
                 else:
                     self._abort(payload)
             if self.scheduler.has_work():
-                self.step()
+                try:
+                    self.step()
+                except Exception as exc:
+                    logger.exception("engine step failed for %s", self.spec.name)
+                    self._fail_running(describe(exc))
+            elif self._draining:
+                return
             self._publish(self.scheduler.num_waiting, self.scheduler.num_running_seqs)
+
+    def check(self, spec: GenerationRequest) -> int:
+        # All choices of a request run together, so more than the batch holds could never start.
+        if spec.sampling.n > self.spec.max_num_seqs:
+            raise InvalidRequestError(
+                f"This model serves at most {self.spec.max_num_seqs} choices per request "
+                f"(n={spec.sampling.n}).",
+                param="n",
+            )
+        return super().check(spec)
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
         started_at = time.perf_counter()
         run_ahead = self._inbox.empty() and self.scheduler.decodes_only_after(plan)
-        try:
-            sampled = self.runner.execute(plan, run_ahead=run_ahead)
-        except Exception as exc:
-            logger.exception("engine step failed for %s", self.spec.name)
-            self._fail_running(f"{type(exc).__name__}: {exc}")
-            return
+        sampled = self.runner.execute(plan, run_ahead=run_ahead)
         _advance(plan)
         for item in sampled:
-            self.accept(item)
+            if item.seq.status.is_finished:
+                continue  # its request failed on an earlier choice in this step
+            try:
+                self.accept(item)
+            except Exception as exc:
+                # Stop checks, detokenizing, the JSON constraint and `emit` are per request:
+                # a failure there ends that request only; the row leaves with the finished ones.
+                logger.exception("request %s failed", item.seq.request.request_id)
+                self.finish(item.seq.request, RequestStatus.FINISHED_ERROR, describe(exc))
         self.scheduler.remove_finished()
         self.runner.release_finished()
         self._meter.record_step(time.perf_counter() - started_at, plan, len(sampled))
+
+    def _add(self, payload: tuple[GenerationRequest, Emit, int]) -> None:
+        request = self.admit(payload)
+        if request is None:
+            return
+        try:
+            self.scheduler.add(request)
+        except Exception as exc:
+            logger.exception("could not queue request %s", request.request_id)
+            self.finish(request, RequestStatus.FINISHED_ERROR, describe(exc))
 
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.remove(request_id)
@@ -292,16 +100,16 @@ class BatchedEngine(EngineLoop):
             self.finish(request, RequestStatus.FINISHED_ERROR, error)
         self.runner.reset()
 
-    def close(self) -> None:
+    def close(self, status: RequestStatus, error: str | None) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.finish(request, status, error)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
-        self.runner.reset()
-        self._publish(0, 0)
         for kind, payload in self._take(block=False):
             if kind == "add":
-                self.finish(payload, RequestStatus.FINISHED_ABORTED)
+                end_queued(payload, status, error)
+        self._publish(0, 0)
+        self.runner.reset()
 
 
 def _advance(plan: SchedulerOutput) -> None:
@@ -310,41 +118,3 @@ def _advance(plan: SchedulerOutput) -> None:
     for chunk in plan.prefill:
         for seq in chunk.request.live_sequences():
             seq.num_computed_tokens += chunk.num_tokens
-
-
-class _Meter:
-    """Throughput over a sliding window and a smoothed step time; written by the engine thread."""
-
-    def __init__(self) -> None:
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
-        self._step_time_s = 0.0
-        self._recent: deque[tuple[float, int]] = deque()
-
-    def record_step(self, elapsed_s: float, plan: SchedulerOutput, num_sampled: int) -> None:
-        now = time.monotonic()
-        self.num_steps += 1
-        self.num_prompt_tokens += sum(chunk.num_tokens for chunk in plan.prefill)
-        self._step_time_s = (
-            elapsed_s if self.num_steps == 1 else 0.9 * self._step_time_s + 0.1 * elapsed_s
-        )
-        self._recent.append((now, num_sampled))
-        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._recent.popleft()
-
-    def snapshot(self, model: str, num_waiting: int, num_running: int) -> EngineStats:
-        recent = list(self._recent)
-        tokens_per_second = 0.0
-        if len(recent) > 1 and recent[-1][0] > recent[0][0]:
-            tokens_per_second = sum(n for _, n in recent[1:]) / (recent[-1][0] - recent[0][0])
-        return EngineStats(
-            model=model,
-            num_waiting=num_waiting,
-            num_running=num_running,
-            tokens_per_second=tokens_per_second,
-            step_time_ms=self._step_time_s * 1000.0,
-            num_steps=self.num_steps,
-            num_generated_tokens=self.num_generated_tokens,
-            num_prompt_tokens=self.num_prompt_tokens,
-        )

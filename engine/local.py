@@ -73,6 +73,8 @@ class LocalEngineClient(EngineClient):
         return mailbox
 
     async def ensure_model(self, spec: ModelSpec) -> ModelInfo:
+        # `load` never waits for an engine thread (a replaced engine drains on its own), so it
+        # is safe on the event loop.
         return await asyncio.wrap_future(self.worker.load(spec))
 
     def start_loading(self, spec: ModelSpec) -> None:
@@ -117,14 +119,19 @@ class LocalEngineClient(EngineClient):
                 self.worker.abort(request.model, request.request_id)
 
     async def abort(self, request_id: str) -> None:
-        for engine_stats in self.worker.stats():
-            self.worker.abort(engine_stats.model, request_id)
+        for name in self.worker.model_names():
+            self.worker.abort(name, request_id)
 
     async def stats(self) -> list[EngineStats]:
         return self.worker.stats()
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self.worker.shutdown)
+        await asyncio.to_thread(self.close)
+
+    def close(self, timeout: float | None = None) -> None:
+        """`shutdown` for callers without an event loop (an atexit hook): abort everything in
+        flight and join each engine thread, waiting at most `timeout` seconds for each."""
+        self.worker.shutdown(timeout)
 
 
 def _render(tokenizer, prompt: PromptInput) -> list[int]:

@@ -9,12 +9,15 @@ released on cancellation let a second MLX thread start while the first still ran
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
-from engine.batched import STOP, EngineLoop
+from engine.loop import DRAIN, STOP, EngineLoop, describe, end_queued
 from engine.protocol import RequestStatus
 from engine.request import Request
 from engine.runner import SequenceRunner
+
+logger = logging.getLogger(__name__)
 
 
 class SimpleEngine(EngineLoop):
@@ -24,7 +27,7 @@ class SimpleEngine(EngineLoop):
         self._stopping = False
 
     def run(self) -> None:
-        while not self._stopping:
+        while not self._stopping and not (self._draining and not self._pending):
             self._poll(current=None, block=not self._pending)
             if self._stopping or not self._pending:
                 continue
@@ -32,7 +35,11 @@ class SimpleEngine(EngineLoop):
             self._publish(len(self._pending), len(request.sequences))
             for seq in request.sequences:
                 seq.status = RequestStatus.RUNNING
-            self.generate(request)
+            try:
+                self.generate(request)
+            except Exception as exc:
+                logger.exception("request %s failed", request.request_id)
+                self.finish(request, RequestStatus.FINISHED_ERROR, describe(exc))
             self._publish(len(self._pending), 0)
 
     def generate(self, request: Request) -> None:
@@ -56,8 +63,12 @@ class SimpleEngine(EngineLoop):
             if kind is STOP:
                 self._stopping = True
                 stop_current = True
+            elif kind is DRAIN:
+                self._draining = True
             elif kind == "add":
-                self._pending.append(payload)
+                request = self.admit(payload)
+                if request is not None:
+                    self._pending.append(request)
             elif current is not None and payload == current.request_id:
                 stop_current = True
             else:
@@ -72,10 +83,10 @@ class SimpleEngine(EngineLoop):
                 self.finish(request, RequestStatus.FINISHED_ABORTED)
                 return
 
-    def close(self) -> None:
+    def close(self, status: RequestStatus, error: str | None) -> None:
         while self._pending:
-            self.finish(self._pending.popleft(), RequestStatus.FINISHED_ABORTED)
+            self.finish(self._pending.popleft(), status, error)
         for kind, payload in self._take(block=False):
             if kind == "add":
-                self.finish(payload, RequestStatus.FINISHED_ABORTED)
+                end_queued(payload, status, error)
         self._publish(0, 0)

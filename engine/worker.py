@@ -10,8 +10,9 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 
-from engine.batched import BatchedEngine, EngineLoop
+from engine.batched import BatchedEngine
 from engine.loader import LoadedModel, load_model
+from engine.loop import EngineLoop
 from engine.protocol import (
     EngineStats,
     GenerationRequest,
@@ -32,63 +33,114 @@ def load_spec(spec: ModelSpec) -> LoadedModel:
 
 
 class EngineWorker:
-    """Serve models by name. `loader` turns a spec into a LoadedModel (tests pass prebuilt ones)."""
+    """Serve models by name. `loader` turns a spec into a LoadedModel (tests pass prebuilt ones).
+
+    A changed spec for a served name loads beside the old engine, which keeps serving until the
+    new one is ready; then the new one takes the name and the old one drains (finishes what it
+    has in flight, refusing new work) and stops. Nothing here waits for an engine thread except
+    `unload` and `shutdown`, so the event loop can call `load`, `get`, `submit` and `abort`.
+    """
 
     def __init__(
         self, *, loader: Loader = load_spec, engines: dict[str, type[EngineLoop]] | None = None
     ):
         self._loader = loader
         self._engine_classes = engines or ENGINES
-        self._engines: dict[str, EngineLoop] = {}
+        self._engines: dict[str, EngineLoop] = {}  # loaded (or failed to load) per name
+        self._loading: dict[str, tuple[EngineLoop, concurrent.futures.Future[ModelInfo]]] = {}
+        self._retired: list[EngineLoop] = []  # replaced engines, possibly still draining
         self._lock = threading.Lock()
 
     def load(self, spec: ModelSpec) -> concurrent.futures.Future[ModelInfo]:
-        """Start serving `spec` (replacing another spec of that name); resolves once loaded."""
+        """Start serving `spec` (replacing another spec of that name); resolves once it serves."""
         if spec.engine not in self._engine_classes:
             raise ValueError(
                 f"unknown engine {spec.engine!r}; choose from {sorted(self._engine_classes)}"
             )
         with self._lock:
             current = self._engines.get(spec.name)
-            if current is not None and current.spec == spec and not _failed(current):
+            if current is not None and current.spec == spec and current.is_serving:
                 return current.ready
+            loading = self._loading.get(spec.name)
+            if loading is not None and loading[0].spec == spec:
+                return loading[1]
             engine = self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
-            self._engines[spec.name] = engine
-        if current is not None:
-            current.stop()
-        return engine.start()
+            # Resolved only after the swap, so whoever waits on it finds the new engine.
+            swapped: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+            self._loading[spec.name] = (engine, swapped)
+        engine.ready.add_done_callback(lambda _: self._swap(engine, swapped))
+        engine.start()
+        return swapped
+
+    def _swap(self, engine: EngineLoop, swapped: concurrent.futures.Future[ModelInfo]) -> None:
+        name = engine.spec.name
+        with self._lock:
+            loading = self._loading.get(name)
+            if loading is not None and loading[0] is engine:
+                del self._loading[name]
+                old = self._engines.get(name)
+                self._engines[name] = engine
+            else:
+                old = engine  # superseded by another spec, or unloaded, while it loaded
+            if old is not None:
+                self._retired = [e for e in self._retired if e.is_alive()] + [old]
+        if old is not None:
+            old.drain()
+        if engine.ready.exception() is not None:
+            swapped.set_exception(engine.ready.exception())
+        else:
+            swapped.set_result(engine.ready.result())
 
     def unload(self, name: str) -> None:
+        """Stop serving `name`, aborting its in-flight requests (waits for the threads)."""
         with self._lock:
-            engine = self._engines.pop(name, None)
-        if engine is not None:
-            engine.stop()
+            engines = [self._engines.pop(name, None)] + [
+                e for e in self._retired if e.spec.name == name
+            ]
+            self._loading.pop(name, None)
+        for engine in engines:
+            if engine is not None:
+                engine.stop()
 
     def get(self, name: str) -> EngineLoop:
         """The engine serving `name`, once its model has loaded."""
         engine = self._engines.get(name)
-        if engine is None or not engine.ready.done() or _failed(engine):
+        if engine is None or not engine.is_serving:
             raise ModelNotLoadedError(f"The model {name!r} is not loaded.")
         return engine
 
+    def model_names(self) -> list[str]:
+        """Names with an engine (serving, failed or dead), as `stats` reports them."""
+        return list(self._engines)
+
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
-        self.get(request.model).submit(request, emit)
+        engine = self.get(request.model)
+        try:
+            engine.submit(request, emit)
+        except ModelNotLoadedError:
+            if self._engines.get(request.model) is engine:
+                raise
+            # Replaced between the lookup and the submit: its successor takes the request.
+            self.get(request.model).submit(request, emit)
 
     def abort(self, model: str, request_id: str) -> None:
-        engine = self._engines.get(model)
-        if engine is not None:
-            engine.abort(request_id)
+        # A draining engine may still hold the request.
+        engines = [self._engines.get(model)] + [e for e in self._retired if e.spec.name == model]
+        for engine in engines:
+            if engine is not None:
+                engine.abort(request_id)
 
     def stats(self) -> list[EngineStats]:
-        return [engine.stats() for engine in list(self._engines.values()) if engine.ready.done()]
+        return [engine.stats() for engine in list(self._engines.values())]
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Abort everything in flight and join every engine thread."""
+        """Abort everything in flight and join every engine thread (`timeout` s each)."""
         with self._lock:
-            engines, self._engines = list(self._engines.values()), {}
+            engines = [
+                *self._engines.values(),
+                *(engine for engine, _ in self._loading.values()),
+                *self._retired,
+            ]
+            self._engines, self._loading, self._retired = {}, {}, []
         for engine in engines:
             engine.stop(timeout)
-
-
-def _failed(engine: EngineLoop) -> bool:
-    return engine.ready.done() and engine.ready.exception() is not None

@@ -24,7 +24,7 @@ def get_engine_client() -> EngineClient:
         _client = LocalEngineClient()
         # Stop with the web process: abort what is in flight and join the engine threads, so no
         # thread is killed in the middle of an MLX call.
-        atexit.register(_client.worker.shutdown, 10)
+        atexit.register(_client.close, 10)
     return _client
 
 

@@ -8,8 +8,9 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import pytest
 
-from engine.batched import BatchedEngine, EngineLoop
+from engine.batched import BatchedEngine
 from engine.loader import LoadedModel, load_model
+from engine.loop import EngineLoop
 from engine.protocol import GenerationOutput, GenerationRequest, ModelSpec, SamplingParams
 from engine.simple import SimpleEngine
 from tests.fixtures.tiny_models import build_tiny_model

@@ -307,3 +307,28 @@ def test_tool_choice_none_hides_the_tools_and_forcing_a_call_is_a_clear_400(clie
                 model=TINY, messages=MESSAGES, tools=tools, tool_choice=choice, **GREEDY
             )
         assert caught.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("model", [TINY, TINY_SIMPLE])
+def test_penalties_work_and_leave_other_streams_alone(client, model):
+    """Penalty state lives on the engine thread; building it elsewhere once crashed the step
+    and every other stream in the batch with it."""
+    long = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        stream=True,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(long))
+    for penalty in (
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"extra_body": {"repetition_penalty": 1.2, "ignore_eos": True}},
+    ):
+        kwargs = {"temperature": 0, "max_tokens": 8, **penalty}
+        reply = client.chat.completions.create(model=model, messages=MESSAGES, **kwargs)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+    rest = [chunk for chunk in long if chunk.choices]
+    assert first.choices and rest[-1].choices[0].finish_reason == "length"

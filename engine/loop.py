@@ -1,0 +1,350 @@
+"""The engine loop both engines share: one thread per model, schedule → run → update.
+
+`EngineLoop` owns the thread (which also loads the model, so only it touches MLX), a thread-safe
+inbox for new requests and aborts, admission (validation and the waiting-queue limit, raised on
+the caller's thread before any work; the request's sampling state, which holds MLX arrays, is
+built later on the engine thread), turning sampled tokens into `GenerationOutput` events, and
+stats. A failure while serving a request ends that request (or, if a step itself fails, the
+running batch) with finish_reason "error" and the loop goes on; if the loop itself dies, the
+engine stops serving and everything it held ends with "error". The engines are in
+engine/batched.py (continuous batching) and engine/simple.py (serialized).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from engine.constraints import JsonConstraint
+from engine.detokenizer import StreamDetokenizer, skipped_token_ids, token_bytes, token_text
+from engine.loader import LoadedModel
+from engine.protocol import (
+    EngineOverloadedError,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    InvalidRequestError,
+    ModelInfo,
+    ModelNotLoadedError,
+    ModelSpec,
+    RequestStatus,
+    TokenLogprob,
+    TopLogprob,
+)
+from engine.request import Emit, Request, Sequence
+from engine.runner import Sampled
+from engine.sampling import SamplingState
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+STOP = object()  # inbox command: end the loop, aborting what is in flight
+DRAIN = object()  # inbox command: end the loop once what is in flight has finished
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class EngineLoop:
+    """Base of the engines: lifecycle, inbox, admission, output events, stats."""
+
+    def __init__(self, spec: ModelSpec, load: Callable[[], LoadedModel]):
+        self.spec = spec
+        self._load = load
+        self.loaded: LoadedModel | None = None
+        self.ready: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._num_queued = 0  # submitted, not yet seen by the engine thread
+        self._num_waiting = 0  # seen, not yet running (published by the engine thread)
+        self._num_running = 0
+        self._closing = False  # set by drain or the loop ending: submit refuses from then on
+        self._draining = False  # engine thread only
+        self._meter = _Meter()
+        self._thread = threading.Thread(
+            target=self._main, name=f"orchard-engine-{spec.name}", daemon=True
+        )
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.ready.result()
+
+    @property
+    def is_serving(self) -> bool:
+        """Loaded, and neither retired nor dead: new requests may be submitted."""
+        return self.ready.done() and self.ready.exception() is None and not self._closing
+
+    def is_alive(self) -> bool:
+        """Whether the thread is still running (loading, serving or draining)."""
+        return self._thread.is_alive()
+
+    def start(self) -> concurrent.futures.Future[ModelInfo]:
+        self._thread.start()
+        return self.ready
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort everything in flight and join the thread."""
+        if self._thread.is_alive():
+            self._inbox.put((STOP, None))
+            self._thread.join(timeout)
+
+    def drain(self) -> None:
+        """Refuse new requests and let the thread end once those in flight have finished
+        (thread-safe, returns at once): how a replaced engine retires without aborting anyone."""
+        with self._lock:
+            self._closing = True
+            self._inbox.put((DRAIN, None))
+
+    def submit(self, spec: GenerationRequest, emit: Emit) -> None:
+        """Queue a request (thread-safe); bad input and a full queue raise here, before any work,
+        and ModelNotLoadedError once the engine is retired or dead.
+
+        `emit` is called on the engine thread for every output event; it must not block.
+        """
+        max_tokens = self.check(spec)
+        with self._lock:
+            if self._closing:
+                raise ModelNotLoadedError(f"The model {self.spec.name!r} is not loaded.")
+            if self._num_queued + self._num_waiting >= self.spec.max_waiting:
+                raise EngineOverloadedError(f"Model {self.spec.name} is overloaded; retry later.")
+            self._num_queued += 1
+            # Under the lock, so a request is queued before the loop's end drains the inbox.
+            self._inbox.put(("add", (spec, emit, max_tokens)))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); a no-op when it has finished or is unknown."""
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            num_waiting, num_running = self._num_queued + self._num_waiting, self._num_running
+        return self._meter.snapshot(self.spec.name, num_waiting, num_running)
+
+    def check(self, spec: GenerationRequest) -> int:
+        """Validate a request without touching MLX (any thread); return its max_tokens."""
+        info, params = self.info, spec.sampling
+        params.validate(vocab_size=info.vocab_size)
+        num_prompt = len(spec.prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
+        if any(not 0 <= t < info.vocab_size for t in spec.prompt_token_ids):
+            raise InvalidRequestError(
+                "The prompt has token ids outside the vocabulary.", param="prompt"
+            )
+        if num_prompt + (params.max_tokens or 1) > info.context_length:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {info.context_length} tokens; the prompt "
+                f"has {num_prompt} and up to {params.max_tokens or 1} more were requested.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return params.max_tokens or info.context_length - num_prompt
+
+    def make_request(self, spec: GenerationRequest, emit: Emit) -> Request:
+        """Validate and build a request: on the engine thread only (it creates MLX arrays)."""
+        return self.build(spec, emit, self.check(spec))
+
+    def build(self, spec: GenerationRequest, emit: Emit, max_tokens: int) -> Request:
+        info, tokenizer, params = self.info, self.loaded.tokenizer, spec.sampling
+        request = Request(spec, emit, max_tokens=max_tokens)
+        for index in range(params.n):
+            state = SamplingState(
+                params,
+                prompt_token_ids=spec.prompt_token_ids,
+                eos_token_ids=info.eos_token_ids,
+                vocab_size=info.vocab_size,
+                choice_index=index,
+            )
+            detokenizer = StreamDetokenizer(tokenizer, stop=params.stop)
+            sequence = Sequence(request, index, state, detokenizer)
+            if params.json_mode:
+                sequence.constraint = JsonConstraint(
+                    functools.partial(token_bytes, tokenizer),
+                    functools.partial(tokenizer.encode, add_special_tokens=False),
+                    banned=skipped_token_ids(tokenizer)
+                    | set(info.eos_token_ids)
+                    | set(params.stop_token_ids),
+                )
+            request.sequences.append(sequence)
+        return request
+
+    def admit(self, payload: tuple[GenerationRequest, Emit, int]) -> Request | None:
+        """Build a queued request on the engine thread; None (and "error" sent) if that fails."""
+        spec, emit, max_tokens = payload
+        try:
+            return self.build(spec, emit, max_tokens)
+        except Exception as exc:
+            logger.exception("could not start request %s", spec.request_id)
+            end_queued(payload, RequestStatus.FINISHED_ERROR, describe(exc))
+            return None
+
+    def _main(self) -> None:
+        try:
+            self.loaded = self._load()
+            self.setup()
+        except BaseException as exc:
+            self.ready.set_exception(exc)
+            return
+        self.ready.set_result(self.loaded.info)
+        status, error = RequestStatus.FINISHED_ABORTED, None
+        try:
+            self.run()
+        except BaseException as exc:
+            # A bug outside any one request's handling: end everything cleanly rather than
+            # leave callers waiting on a thread that is gone.
+            logger.exception("engine loop for %s died", self.spec.name)
+            status, error = RequestStatus.FINISHED_ERROR, f"engine stopped: {describe(exc)}"
+        finally:
+            with self._lock:
+                self._closing = True
+            self.close(status, error)
+
+    def _take(self, block: bool) -> list:
+        """Commands from the inbox: all that are there, waiting for the first one if `block`."""
+        commands = []
+        try:
+            commands.append(self._inbox.get(block=block))
+            while True:
+                commands.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        added = sum(1 for kind, _ in commands if kind == "add")
+        if added:
+            with self._lock:
+                self._num_queued -= added
+        return commands
+
+    def _publish(self, num_waiting: int, num_running: int) -> None:
+        with self._lock:
+            self._num_waiting, self._num_running = num_waiting, num_running
+
+    def accept(self, sampled: Sampled) -> None:
+        """Record one sampled token: stop checks, text, and the event for the caller."""
+        seq, token = sampled.seq, sampled.token_id
+        request, params = seq.request, seq.sampling_state.params
+        seq.output_token_ids.append(token)
+        seq.sampling_state.append(token)
+        status = None
+        if token in params.stop_token_ids or (
+            token in self.info.eos_token_ids and not params.ignore_eos
+        ):
+            text = ""
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            text = seq.detokenizer.add(
+                token, match_stop=len(seq.output_token_ids) >= params.min_tokens
+            )
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
+            if seq.detokenizer.stopped or (seq.constraint and seq.constraint.is_complete):
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and len(seq.output_token_ids) >= request.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            text += seq.detokenizer.flush()
+            seq.status = status
+        logprobs = None
+        if params.logprobs:
+            tokenizer = self.loaded.tokenizer
+            top = tuple(TopLogprob(token_text(tokenizer, t), t, lp) for t, lp in sampled.top)
+            logprobs = (TokenLogprob(token_text(tokenizer, token), token, sampled.logprob, top),)
+        self._meter.num_generated_tokens += 1
+        request.emit(
+            GenerationOutput(
+                index=seq.index,
+                text=text,
+                token_ids=(token,),
+                finish_reason=status.finish_reason if status else None,
+                logprobs=logprobs,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        )
+
+    @staticmethod
+    def finish(request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """End every live sequence of a request with `status` and tell the caller."""
+        for seq in request.live_sequences():
+            seq.status = status
+            _emit_end(request.spec, request.emit, seq.index, status, error)
+
+    def setup(self) -> None:
+        """Build per-model state on the engine thread, after loading."""
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def close(self, status: RequestStatus, error: str | None) -> None:
+        """End what is left when the loop ends (aborted on stop, "error" if the loop died)."""
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def end_queued(
+    payload: tuple[GenerationRequest, Emit, int], status: RequestStatus, error: str | None
+) -> None:
+    """End every choice of a request that was queued but never built."""
+    spec, emit, _ = payload
+    for index in range(spec.sampling.n):
+        _emit_end(spec, emit, index, status, error)
+
+
+def _emit_end(
+    spec: GenerationRequest, emit: Emit, index: int, status: RequestStatus, error: str | None
+) -> None:
+    output = GenerationOutput(
+        index=index,
+        text="",
+        token_ids=(),
+        finish_reason=status.finish_reason,
+        num_prompt_tokens=len(spec.prompt_token_ids),
+        error=error,
+    )
+    try:
+        emit(output)
+    except Exception:
+        # The caller's callback failed; the engine must still finish ending everyone else.
+        logger.exception("could not deliver the end of request %s", spec.request_id)
+
+
+class _Meter:
+    """Throughput over a sliding window and a smoothed step time; written by the engine thread."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self._step_time_s = 0.0
+        self._recent: deque[tuple[float, int]] = deque()
+
+    def record_step(self, elapsed_s: float, plan: SchedulerOutput, num_sampled: int) -> None:
+        now = time.monotonic()
+        self.num_steps += 1
+        self.num_prompt_tokens += sum(chunk.num_tokens for chunk in plan.prefill)
+        self._step_time_s = (
+            elapsed_s if self.num_steps == 1 else 0.9 * self._step_time_s + 0.1 * elapsed_s
+        )
+        self._recent.append((now, num_sampled))
+        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+
+    def snapshot(self, model: str, num_waiting: int, num_running: int) -> EngineStats:
+        recent = list(self._recent)
+        tokens_per_second = 0.0
+        if len(recent) > 1 and recent[-1][0] > recent[0][0]:
+            tokens_per_second = sum(n for _, n in recent[1:]) / (recent[-1][0] - recent[0][0])
+        return EngineStats(
+            model=model,
+            num_waiting=num_waiting,
+            num_running=num_running,
+            tokens_per_second=tokens_per_second,
+            step_time_ms=self._step_time_s * 1000.0,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            num_prompt_tokens=self.num_prompt_tokens,
+        )

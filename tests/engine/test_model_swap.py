@@ -1,0 +1,127 @@
+"""A changed spec loads beside the old engine without blocking the event loop; the old engine
+serves until the new one is ready, then finishes its in-flight requests and stops."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine.local import LocalEngineClient
+from engine.protocol import ModelNotLoadedError, ModelSpec, PromptInput
+from engine.worker import EngineWorker
+from tests.engine.conftest import eventually, greedy, make_request
+
+OLD = ModelSpec(name="tiny", path="unused", max_waiting=8)
+NEW = ModelSpec(name="tiny", path="unused", max_waiting=9)
+STEP_DELAY_S = 0.4
+
+
+@pytest.fixture
+async def client(tiny_llama):
+    client = LocalEngineClient(EngineWorker(loader=lambda spec: tiny_llama))
+    await client.ensure_model(OLD)
+    yield client
+    await client.shutdown()
+
+
+async def collect(stream) -> list:
+    async with asyncio.timeout(30):
+        return [output async for output in stream]
+
+
+async def test_spec_change_neither_blocks_the_loop_nor_cuts_a_stream(client, monkeypatch):
+    old = client.worker.get("tiny")
+    real_execute = old.runner.execute
+
+    def slow_execute(plan, **kwargs):
+        time.sleep(STEP_DELAY_S)  # a slow device step: stopping this engine would wait for it
+        return real_execute(plan, **kwargs)
+
+    monkeypatch.setattr(old.runner, "execute", slow_execute)
+    stream = client.generate(make_request("long", [1, 2, 3], greedy(6, ignore_eos=True)))
+    first = await anext(stream)  # the next step starts now and takes STEP_DELAY_S
+    rest = asyncio.create_task(collect(stream))
+
+    longest_gap, running = 0.0, True
+
+    async def tick() -> None:
+        nonlocal longest_gap
+        last = time.perf_counter()
+        while running:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            longest_gap, last = max(longest_gap, now - last), now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)  # the ticker is running before the swap starts
+    await client.ensure_model(NEW)
+    outputs = [first, *await rest]
+    running = False
+    await ticker
+
+    assert longest_gap < STEP_DELAY_S / 2
+    assert outputs[-1].finish_reason == "length"
+    assert sum(len(o.token_ids) for o in outputs) == 6
+    assert client.worker.get("tiny").spec == NEW
+    await eventually(lambda: not old.is_alive())
+    outputs = await collect(client.generate(make_request("new", [4, 5], greedy(2))))
+    assert outputs[-1].finish_reason == "length"
+
+
+async def test_the_old_engine_serves_until_the_new_one_is_ready(tiny_llama):
+    loading = threading.Event()
+    release = threading.Event()
+
+    def loader(spec):
+        if spec == NEW:
+            loading.set()
+            release.wait(30)
+        return tiny_llama
+
+    client = LocalEngineClient(EngineWorker(loader=loader))
+    await client.ensure_model(OLD)
+    old = client.worker.get("tiny")
+    swap = asyncio.create_task(client.ensure_model(NEW))
+    await asyncio.to_thread(loading.wait, 30)
+
+    assert client.worker.get("tiny") is old
+    assert await client.render_prompt("tiny", PromptInput(token_ids=(7, 8))) == [7, 8]
+    outputs = await collect(client.generate(make_request("during", [1, 2], greedy(2))))
+    assert outputs[-1].finish_reason == "length"
+
+    release.set()
+    await swap
+    new = client.worker.get("tiny")
+    assert new is not old and new.spec == NEW
+    with pytest.raises(ModelNotLoadedError):  # retired: the worker sends requests to `new`
+        old.submit(make_request("late", [1, 2], greedy(2)), lambda output: None)
+    await client.shutdown()
+
+
+async def test_cancelling_a_stream_on_a_draining_engine_aborts_it(client):
+    old = client.worker.get("tiny")
+    stream = client.generate(make_request("long", [1, 2, 3], greedy(4000, ignore_eos=True)))
+    await anext(stream)
+    await client.ensure_model(NEW)
+    assert old.is_alive()  # still draining "long"
+    await stream.aclose()
+    await eventually(lambda: not old.is_alive())
+
+
+async def test_abort_and_close_need_no_stats(client, monkeypatch):
+    def no_stats():
+        raise AssertionError("abort builds no stats snapshots")
+
+    monkeypatch.setattr(client.worker, "stats", no_stats)
+    task = asyncio.create_task(
+        collect(client.generate(make_request("long", [1, 2], greedy(4000, ignore_eos=True))))
+    )
+    await eventually(lambda: client.worker.get("tiny").stats().num_running == 1)
+    await client.abort("long")
+    outputs = await task
+    assert outputs[-1].finish_reason == "abort"
+
+    engine = client.worker.get("tiny")
+    client.close(timeout=5)  # what an atexit hook calls: no event loop needed
+    assert not engine.is_alive()
