@@ -17,7 +17,7 @@ from django.utils.functional import cached_property
 
 from accounts import keys
 from accounts.admin import KeySearchMixin, VisibleTeamFilter
-from inference.models import DailyUsage, ModelEntry, UsageRecord
+from inference.models import ERROR_DEFAULT_MUST_BE_ENABLED, DailyUsage, ModelEntry, UsageRecord
 from inference.registry import model_set_default
 from inference.usage import daily_usage_visible_to, usage_records_visible_to, usage_totals
 
@@ -47,7 +47,10 @@ class ModelEntryAdmin(admin.ModelAdmin):
 
     @admin.action(description="Disable selected models", permissions=["change"])
     def disable(self, request, queryset):
-        self.message_user(request, f"Disabled {queryset.update(enabled=False)} model(s).")
+        if queryset.filter(is_default=True).exists():
+            self.message_user(request, ERROR_DEFAULT_MUST_BE_ENABLED, messages.WARNING)
+        count = queryset.filter(is_default=False).update(enabled=False)
+        self.message_user(request, f"Disabled {count} model(s).")
 
     @admin.action(description="Make the selected model the default", permissions=["change"])
     def make_default(self, request, queryset):
@@ -55,6 +58,11 @@ class ModelEntryAdmin(admin.ModelAdmin):
             self.message_user(request, "Select exactly one model.", messages.ERROR)
             return
         entry = queryset.get()
+        if not entry.enabled:
+            self.message_user(
+                request, f"Enable {entry} before making it the default.", messages.ERROR
+            )
+            return
         model_set_default(entry=entry)
         self.message_user(request, f"{entry} is now the default model.")
 

@@ -4,6 +4,10 @@ from django.db import models
 
 from engine.protocol import InvalidRequestError, SamplingParams
 
+ERROR_DEFAULT_MUST_BE_ENABLED = (
+    "The default model must stay enabled; make another model the default first."
+)
+
 # The sampling fields a registry entry may preset (used when a request omits them), with types.
 SAMPLING_DEFAULT_FIELDS = {
     "temperature": float,
@@ -60,6 +64,8 @@ class ModelEntry(models.Model):
     def clean(self) -> None:
         """Defaults must be values a request could have sent: a bad one would otherwise fail
         every request that omits the field, with an error blaming the caller."""
+        if self.is_default and not self.enabled:
+            raise ValidationError({"enabled": ERROR_DEFAULT_MUST_BE_ENABLED})
         defaults = self.default_sampling
         if not isinstance(defaults, dict):
             raise ValidationError({"default_sampling": "Must be a JSON object."})

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 # OpenAI's default for the legacy completions endpoint; chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
+
 async def authenticate(request: HttpRequest) -> ApiKey:
     try:
         api_key = await sync_to_async(authenticate_header)(request.headers.get("Authorization"))

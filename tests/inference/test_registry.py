@@ -32,3 +32,29 @@ def test_good_default_sampling_is_accepted(tiny_model_path):
     entry = model_register(name="m", path=tiny_model_path)
     entry.default_sampling = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "max_tokens": 256}
     entry.full_clean()
+
+
+@pytest.mark.django_db
+def test_the_default_model_cannot_be_disabled(tiny_model_path):
+    entry = model_register(name="m", path=tiny_model_path)
+    assert entry.is_default
+    entry.enabled = False
+    with pytest.raises(ValidationError) as caught:
+        entry.full_clean()
+    assert "enabled" in caught.value.message_dict
+
+
+@pytest.mark.django_db
+def test_admin_disable_skips_the_default_and_make_default_needs_an_enabled_model(
+    admin_client, tiny_model_path
+):
+    from inference.models import ModelEntry
+
+    default = model_register(name="a", path=tiny_model_path)
+    other = model_register(name="b", path=tiny_model_path)
+    url = "/admin/inference/modelentry/"
+    admin_client.post(url, {"action": "disable", "_selected_action": [default.pk, other.pk]})
+    assert ModelEntry.objects.get(pk=default.pk).enabled
+    assert not ModelEntry.objects.get(pk=other.pk).enabled
+    admin_client.post(url, {"action": "make_default", "_selected_action": [other.pk]})
+    assert ModelEntry.objects.get(pk=default.pk).is_default
