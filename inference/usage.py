@@ -37,14 +37,26 @@ _STATUS_COUNTERS = {
 }
 
 
-def usage_open(
-    *, request_id: str, api_key: ApiKey, model: str, endpoint: str, reserved_tokens: int = 0
+def _record(
+    *, request_id: str, api_key: ApiKey, model: str, endpoint: str, **fields
 ) -> UsageRecord:
     return UsageRecord.objects.create(
         request_id=request_id,
         api_key=api_key,
         team_id=api_key.team_id,
         user_id=api_key.user_id,
+        model=model,
+        endpoint=endpoint,
+        **fields,
+    )
+
+
+def usage_open(
+    *, request_id: str, api_key: ApiKey, model: str, endpoint: str, reserved_tokens: int = 0
+) -> UsageRecord:
+    return _record(
+        request_id=request_id,
+        api_key=api_key,
         model=model,
         endpoint=endpoint,
         reserved_tokens=reserved_tokens,
@@ -58,11 +70,9 @@ def usage_reject(
 ) -> UsageRecord:
     """A finished row for a request a limit refused at admission (no tokens)."""
     now = timezone.now()
-    record = UsageRecord.objects.create(
+    record = _record(
         request_id=request_id,
         api_key=api_key,
-        team_id=api_key.team_id,
-        user_id=api_key.user_id,
         model=model,
         endpoint=endpoint,
         status=UsageRecord.Status.REJECTED,
