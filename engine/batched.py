@@ -3,11 +3,12 @@ who runs each step (engine/scheduler.py), the runner computes it (engine/runner.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 from engine.loop import DRAIN, STOP, EngineLoop, describe, end_queued
-from engine.protocol import GenerationRequest, InvalidRequestError, RequestStatus
+from engine.protocol import GenerationRequest, ModelInfo, RequestStatus
 from engine.request import Emit
 from engine.runner import BatchRunner
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -47,15 +48,9 @@ class BatchedEngine(EngineLoop):
                 return
             self._publish(self.scheduler.num_waiting, self.scheduler.num_running_seqs)
 
-    def check(self, spec: GenerationRequest) -> int:
+    def describe(self, info: ModelInfo) -> ModelInfo:
         # All choices of a request run together, so more than the batch holds could never start.
-        if spec.sampling.n > self.spec.max_num_seqs:
-            raise InvalidRequestError(
-                f"This model serves at most {self.spec.max_num_seqs} choices per request "
-                f"(n={spec.sampling.n}).",
-                param="n",
-            )
-        return super().check(spec)
+        return dataclasses.replace(info, max_choices=min(info.max_choices, self.spec.max_num_seqs))
 
     def step(self) -> None:
         plan = self.scheduler.schedule()

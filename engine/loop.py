@@ -29,13 +29,13 @@ from engine.protocol import (
     EngineStats,
     GenerationOutput,
     GenerationRequest,
-    InvalidRequestError,
     ModelInfo,
     ModelNotLoadedError,
     ModelSpec,
     RequestStatus,
     TokenLogprob,
     TopLogprob,
+    validate_generation,
 )
 from engine.request import Emit, Request, Sequence
 from engine.runner import Sampled
@@ -126,23 +126,8 @@ class EngineLoop:
 
     def check(self, spec: GenerationRequest) -> int:
         """Validate a request without touching MLX (any thread); return its max_tokens."""
-        info, params = self.info, spec.sampling
-        params.validate(vocab_size=info.vocab_size)
-        num_prompt = len(spec.prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("The prompt is empty.", param="prompt")
-        if any(not 0 <= t < info.vocab_size for t in spec.prompt_token_ids):
-            raise InvalidRequestError(
-                "The prompt has token ids outside the vocabulary.", param="prompt"
-            )
-        if num_prompt + (params.max_tokens or 1) > info.context_length:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {info.context_length} tokens; the prompt "
-                f"has {num_prompt} and up to {params.max_tokens or 1} more were requested.",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        return params.max_tokens or info.context_length - num_prompt
+        validate_generation(spec, self.info)
+        return spec.sampling.max_tokens or self.info.context_length - len(spec.prompt_token_ids)
 
     def make_request(self, spec: GenerationRequest, emit: Emit) -> Request:
         """Validate and build a request: on the engine thread only (it creates MLX arrays)."""
@@ -189,7 +174,7 @@ class EngineLoop:
         except BaseException as exc:
             self.ready.set_exception(exc)
             return
-        self.ready.set_result(self.loaded.info)
+        self.ready.set_result(self.describe(self.loaded.info))
         status, error = RequestStatus.FINISHED_ABORTED, None
         try:
             self.run()
@@ -273,6 +258,10 @@ class EngineLoop:
 
     def setup(self) -> None:
         """Build per-model state on the engine thread, after loading."""
+
+    def describe(self, info: ModelInfo) -> ModelInfo:
+        """The model's info as this engine serves it (what requests are validated against)."""
+        return info
 
     def run(self) -> None:
         raise NotImplementedError

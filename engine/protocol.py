@@ -13,6 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# Bounds on what one request may ask for. Token ids index the batch's flattened logits, so one
+# outside the vocabulary would write into another request's row (or past the array); the counts
+# bound the per-step work one request adds to everyone's batch; 2**31 - 1 keeps every integer
+# an int32 on the device and small on the wire.
+MAX_INT = 2**31 - 1
+MAX_CHOICES = 16
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_LENGTH = 1000
+
 
 class EngineError(Exception):
     """Base class for errors the engine reports to its callers."""
@@ -99,6 +109,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     supports_tools: bool = False
+    max_choices: int = MAX_CHOICES  # the most choices (n) one request may ask for
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,44 +148,63 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, *, vocab_size: int | None = None) -> None:
+        """Check every field's range (and, given `vocab_size`, every token id): the one set of
+        sampling rules, used for requests (through `validate_generation`) and for a registry
+        entry's defaults (without a vocabulary)."""
+
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)
+
+        def out_of_vocabulary(token_id: int) -> bool:
+            return not 0 <= token_id < (vocab_size if vocab_size is not None else MAX_INT)
 
         if not 0.0 <= self.temperature <= 2.0:
             raise bad("temperature", "temperature must be between 0 and 2.")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "top_p must be greater than 0 and at most 1.")
-        if self.top_k < 0:
+        if not 0 <= self.top_k <= MAX_INT:
             raise bad("top_k", "top_k must be 0 (disabled) or positive.")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "min_p must be between 0 and 1.")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", "repetition_penalty must be positive.")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", "repetition_penalty must be above 0 and at most 10.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "presence_penalty must be between -2 and 2.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "frequency_penalty must be between -2 and 2.")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids.")
         for token_id, bias in self.logit_bias.items():
-            if vocab_size is not None and not 0 <= int(token_id) < vocab_size:
+            if out_of_vocabulary(token_id):
                 raise bad(
                     "logit_bias", f"logit_bias has token id {token_id} outside the vocabulary."
                 )
             if not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", "logit_bias values must be between -100 and 100.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", "seed must fit in 64 bits.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", "max_tokens must be at least 1.")
-        if self.min_tokens < 0 or (
-            self.max_tokens is not None and self.min_tokens > self.max_tokens
-        ):
+        if not 0 <= self.min_tokens <= (self.max_tokens or MAX_INT):
             raise bad("min_tokens", "min_tokens must be between 0 and max_tokens.")
-        if len(self.stop) > 4 or any(not s for s in self.stop):
-            raise bad("stop", "stop takes at most 4 non-empty strings.")
+        if len(self.stop) > 4 or any(not s or len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise bad(
+                "stop", f"stop takes at most 4 non-empty strings of {MAX_STOP_LENGTH} characters."
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids.")
+        for token_id in self.stop_token_ids:
+            if out_of_vocabulary(token_id):
+                raise bad(
+                    "stop_token_ids",
+                    f"stop_token_ids has token id {token_id} outside the vocabulary.",
+                )
         if not 0 <= self.top_logprobs <= 20:
             raise bad("top_logprobs", "top_logprobs must be between 0 and 20.")
         if self.top_logprobs and not self.logprobs:
             raise bad("top_logprobs", "top_logprobs requires logprobs.")
-        if not 1 <= self.n <= 16:
-            raise bad("n", "n must be between 1 and 16.")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise bad("n", f"n must be between 1 and {MAX_CHOICES}.")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -235,6 +265,42 @@ class GenerationRequest:
             model=data["model"],
             prompt_token_ids=tuple(data["prompt_token_ids"]),
             sampling=SamplingParams.from_dict(data["sampling"]),
+        )
+
+
+def validate_generation(
+    request: GenerationRequest, info: ModelInfo, *, prompt_param: str = "prompt"
+) -> None:
+    """The one check of a request against the model that will run it: sampling ranges, every
+    token id inside the vocabulary, the prompt and its completion inside the context, and n
+    within what the engine can run. Raises InvalidRequestError naming the offending parameter
+    (`prompt_param` for the prompt: "messages" on chat, "prompt" on completions).
+
+    The API calls it at the edge; the engine calls it again when a request is submitted,
+    because a bad id reaching the device corrupts other requests' memory."""
+    params = request.sampling
+    params.validate(vocab_size=info.vocab_size)
+    if params.n > info.max_choices:
+        raise InvalidRequestError(
+            f"This model serves at most {info.max_choices} choices per request (n={params.n}).",
+            param="n",
+        )
+    num_prompt = len(request.prompt_token_ids)
+    if num_prompt == 0:
+        raise InvalidRequestError(f"The {prompt_param} is empty.", param=prompt_param)
+    if any(not 0 <= t < info.vocab_size for t in request.prompt_token_ids):
+        raise InvalidRequestError(
+            f"The {prompt_param} has token ids outside the vocabulary.", param=prompt_param
+        )
+    completion = params.max_tokens or 1
+    if num_prompt + completion > info.context_length:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {info.context_length} tokens. However, you "
+            f"requested {num_prompt + completion} tokens ({num_prompt} in the {prompt_param}, "
+            f"{completion} in the completion). Please reduce the length of the {prompt_param} "
+            "or completion.",
+            param=prompt_param,
+            code="context_length_exceeded",
         )
 
 

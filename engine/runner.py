@@ -189,7 +189,9 @@ class BatchRunner:
     def execute(self, plan: SchedulerOutput, *, run_ahead: bool = False) -> list[Sampled]:
         """Compute `plan` and return its sampled tokens; with `run_ahead`, also start the next
         decode step of the same rows (see the class docstring)."""
-        assert [id(seq) for seq in self._rows] == [id(seq) for seq in plan.decode], (
+        # Rows are keyed by sequence: the batch keeps its own row order (prompts that prefill
+        # together join after those that prefill alone), the plan lists the scheduler's.
+        assert {id(seq) for seq in self._rows} == {id(seq) for seq in plan.decode}, (
             "rows out of sync"
         )
         joining, merged = self._prefill(plan)

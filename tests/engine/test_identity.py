@@ -19,11 +19,15 @@ from tests.engine.conftest import greedy, make_request, run_batched, run_simple
 MAX_TOKENS = 10
 
 
-def prompts(count: int, vocab_size: int) -> list[list[int]]:
+def prompts(count: int, vocab_size: int, *, short: tuple[int, ...] = (1, 2)) -> list[list[int]]:
+    """Prompts of 3, 8, 13, ... tokens, except that those at the positions in `short` have one
+    and two tokens: a one-token prompt has no body to prefill and joins the batch on its own."""
     rng = random.Random(1234)
-    return [
-        [rng.randrange(1000, vocab_size - 1000) for _ in range(3 + 5 * i)] for i in range(count)
-    ]
+    lengths = [3 + 5 * i for i in range(count)]
+    for position, length in zip(short, (1, 2), strict=False):
+        if position < count:
+            lengths[position] = length
+    return [[rng.randrange(1000, vocab_size - 1000) for _ in range(n)] for n in lengths]
 
 
 def mlx_lm_greedy(loaded, prompt: list[int], max_tokens: int) -> list[int]:
@@ -123,7 +127,7 @@ def test_running_ahead_changes_nothing(tiny_llama, monkeypatch):
 
 @pytest.mark.slow
 def test_prompts_prefilled_together_match_prompts_prefilled_alone(tiny_model, monkeypatch):
-    batch = prompts(4, tiny_model.info.vocab_size)
+    batch = prompts(4, tiny_model.info.vocab_size, short=())
     requests = [
         make_request(f"t{i}", p, greedy(6, ignore_eos=True, n=2 if i == 1 else 1))
         for i, p in enumerate(batch)
@@ -143,3 +147,24 @@ def test_prompts_prefilled_together_match_prompts_prefilled_alone(tiny_model, mo
         alone = run_batched(tiny_model, [replace(request, sampling=replace(request.sampling, n=1))])
         for index in range(request.sampling.n):
             assert batched.tokens(rid, index) == alone.tokens(rid), (rid, index)
+
+
+@pytest.mark.slow
+def test_one_token_prompt_admitted_with_longer_ones_changes_no_row(tiny_model):
+    """The hardening regression: prompts of 4, 1 and 3 tokens admitted in one step used to trip
+    the runner's row order (the one-token prompt joins before the ones prefilled together) and
+    fail the whole batch."""
+    vocab = tiny_model.info.vocab_size
+    rng = random.Random(7)
+    batch = [[rng.randrange(1000, vocab - 1000) for _ in range(n)] for n in (4, 1, 3, 1)]
+    requests = [
+        make_request(f"o{i}", p, greedy(MAX_TOKENS, ignore_eos=True)) for i, p in enumerate(batch)
+    ]
+    together = run_batched(tiny_model, requests)
+    staggered = run_batched(tiny_model, requests, join_at=[0, 0, 0, 3])
+    for request, prompt in zip(requests, batch, strict=True):
+        rid = request.request_id
+        expected = mlx_lm_greedy(tiny_model, prompt, MAX_TOKENS)
+        assert together.tokens(rid) == expected, rid
+        assert staggered.tokens(rid) == expected, rid
+        assert together.finish_reason(rid) == "length"

@@ -116,7 +116,10 @@ async def test_n_choices_each_finish(client):
         (SamplingParams(temperature=3.0), (1, 2), "temperature"),
         (SamplingParams(top_logprobs=2), (1, 2), "top_logprobs"),
         (SamplingParams(logit_bias={10**7: 1.0}), (1, 2), "logit_bias"),
-        (SamplingParams(max_tokens=60), tuple(range(1, 10)), "messages"),
+        (SamplingParams(ignore_eos=True, stop_token_ids=(10**7,)), (1, 2), "stop_token_ids"),
+        (SamplingParams(stop_token_ids=(-1,)), (1, 2), "stop_token_ids"),
+        (SamplingParams(max_tokens=2), (1, 10**7), "prompt"),
+        (SamplingParams(max_tokens=60), tuple(range(1, 10)), "prompt"),
         (SamplingParams(), (), "prompt"),
     ],
 )
@@ -124,7 +127,7 @@ async def test_invalid_requests_fail_before_any_output(client, params, prompt, p
     with pytest.raises(InvalidRequestError) as info:
         await run(client, params, prompt)
     assert info.value.param == param
-    if param == "messages":
+    if len(prompt) > 5:
         assert info.value.code == "context_length_exceeded"
 
 
