@@ -85,7 +85,7 @@ def setup_home(home: Path) -> tuple[str, str]:
     from django.core.management import call_command
 
     from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
-    from inference.registry import model_register
+    from inference.services.registry import model_register
 
     # Django's LOGGING puts the root logger at INFO: httpx would log every request here.
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -207,7 +207,7 @@ async def measure(args, base_url: str, unlimited: str, limited: str) -> dict:
 
     from engine.local import LocalEngineClient
     from inference.models import ModelEntry
-    from inference.registry import model_spec
+    from inference.services.registry import model_spec
 
     entry = await ModelEntry.objects.aget(name=MODEL)
     engine_client = LocalEngineClient()

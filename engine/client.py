@@ -15,6 +15,7 @@ from engine.protocol import (
     GenerationRequest,
     ModelInfo,
     ModelSpec,
+    ModelStatus,
     PromptInput,
 )
 
@@ -26,18 +27,34 @@ class EngineClient(abc.ABC):
         info."""
 
     @abc.abstractmethod
+    async def serving_model(self, spec: ModelSpec) -> ModelInfo:
+        """The info of the engine a request for `spec.name` will run on, never waiting for a
+        reload: while an engine serves the name its info comes at once (and a changed `spec`
+        starts loading beside it); only a name nothing serves yet waits for its load. Raises
+        ModelLoadError when `spec` failed to load recently and nothing else serves the name."""
+
+    @abc.abstractmethod
+    def model_status(self, name: str) -> ModelStatus:
+        """Where a model stands (serving, loading, its last load error), without waiting."""
+
+    @abc.abstractmethod
     def start_loading(self, spec: ModelSpec) -> None:
-        """Begin loading a model without waiting (at web-process start); a later `ensure_model`
-        for the same spec waits for this load instead of starting another."""
+        """Begin loading a model without waiting (at web-process start, or an admin's reload,
+        which retries a failed load at once); a later `ensure_model` for the same spec waits
+        for this load instead of starting another."""
 
     @abc.abstractmethod
     async def unload_model(self, name: str) -> None:
         """Stop serving a model; its in-flight requests end with finish_reason "abort"."""
 
     @abc.abstractmethod
-    async def render_prompt(self, model: str, prompt: PromptInput) -> list[int]:
+    async def render_prompt(
+        self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
+    ) -> list[int]:
         """Token ids for a prompt: chat messages through the model's chat template (with `tools`
-        and `chat_template_kwargs`), text through the tokenizer, or token ids as they are."""
+        and `chat_template_kwargs`, whose server-owned keys are refused), text through the
+        tokenizer, or token ids as they are. A render running past `timeout_s` is stopped with
+        InvalidRequestError."""
 
     @abc.abstractmethod
     async def detokenize(self, model: str, token_ids: list[int]) -> str:

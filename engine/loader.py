@@ -107,26 +107,3 @@ def _vocab_size(model: nn.Module, config: Mapping[str, Any]) -> int:
     if vocab:
         return int(vocab)
     return int(model.model.embed_tokens.weight.shape[0])
-
-
-def apply_chat_template(
-    tokenizer: TokenizerWrapper,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """Token ids of chat messages through the model's template, with tools and template kwargs."""
-    if not getattr(tokenizer, "has_chat_template", False):
-        raise ValueError("This model has no chat template; send a plain prompt instead.")
-    kwargs = dict(chat_template_kwargs or {})
-    if tools:
-        kwargs["tools"] = [dict(tool) for tool in tools]
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        **kwargs,
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))

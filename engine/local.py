@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from jinja2 import TemplateError
 
 from engine.client import EngineClient
-from engine.loader import apply_chat_template
 from engine.protocol import (
     EngineStats,
     GenerationOutput,
@@ -27,8 +26,10 @@ from engine.protocol import (
     InvalidRequestError,
     ModelInfo,
     ModelSpec,
+    ModelStatus,
     PromptInput,
 )
+from engine.templates import apply_chat_template, with_deadline
 from engine.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,12 @@ class LocalEngineClient(EngineClient):
         # is safe on the event loop.
         return await asyncio.wrap_future(self.worker.load(spec))
 
+    async def serving_model(self, spec: ModelSpec) -> ModelInfo:
+        return await asyncio.wrap_future(self.worker.serve(spec))
+
+    def model_status(self, name: str) -> ModelStatus:
+        return self.worker.status(name)
+
     def start_loading(self, spec: ModelSpec) -> None:
         def report(future: concurrent.futures.Future) -> None:
             if future.exception() is not None:
@@ -87,10 +94,14 @@ class LocalEngineClient(EngineClient):
     async def unload_model(self, name: str) -> None:
         await asyncio.to_thread(self.worker.unload, name)
 
-    async def render_prompt(self, model: str, prompt: PromptInput) -> list[int]:
+    async def render_prompt(
+        self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
+    ) -> list[int]:
         tokenizer = self.worker.get(model).loaded.tokenizer
         # Tokenizers and templates only: no MLX off the engine thread.
-        return await asyncio.to_thread(_render, tokenizer, prompt)
+        if timeout_s is None:
+            return await asyncio.to_thread(_render, tokenizer, prompt)
+        return await asyncio.to_thread(with_deadline, lambda: _render(tokenizer, prompt), timeout_s)
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         tokenizer = self.worker.get(model).loaded.tokenizer
@@ -146,8 +157,13 @@ def _render(tokenizer, prompt: PromptInput) -> list[int]:
                 add_generation_prompt=prompt.add_generation_prompt,
                 chat_template_kwargs=prompt.chat_template_kwargs,
             )
-        except (ValueError, TemplateError) as exc:
-            raise InvalidRequestError(str(exc), param="messages") from exc
+        except InvalidRequestError:
+            raise
+        except (ValueError, TypeError, TemplateError) as exc:
+            # Templates raise on conversations they cannot render (roles out of order, ...).
+            raise InvalidRequestError(
+                f"The messages could not be rendered by the chat template: {exc}", param="messages"
+            ) from exc
     if prompt.text is not None:
         return list(tokenizer.encode(prompt.text))
     raise InvalidRequestError("A prompt needs messages, text or token ids.", param="prompt")

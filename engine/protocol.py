@@ -53,6 +53,12 @@ class ModelNotLoadedError(EngineError):
     code = "model_not_loaded"
 
 
+class ModelLoadError(EngineError):
+    """The model could not be loaded (the message says why); the API answers 503."""
+
+    code = "model_load_failed"
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered: everything >= FINISHED_STOPPED is final."""
 
@@ -117,6 +123,22 @@ class ModelInfo:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelInfo:
         return cls(**{**data, "eos_token_ids": tuple(data["eos_token_ids"])})
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """Where a model name stands in an engine worker, for the admin: `state` is "serving",
+    "loading" (nothing serves it yet), "failed" (its last load failed and nothing serves it),
+    "stopped" (its engine died) or "not_loaded". A failed reload beside a serving engine keeps
+    `state` "serving" and sets `error`."""
+
+    name: str
+    state: str
+    serving: ModelSpec | None = None
+    loading: ModelSpec | None = None
+    error: str | None = None
+    failed_at: float | None = None  # Unix time of the failure
+    failed_spec: ModelSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,29 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.batched import BatchedEngine
 from engine.loader import LoadedModel, load_model
-from engine.loop import EngineLoop
+from engine.loop import EngineLoop, describe
 from engine.protocol import (
     EngineStats,
     GenerationRequest,
     ModelInfo,
+    ModelLoadError,
     ModelNotLoadedError,
     ModelSpec,
+    ModelStatus,
 )
 from engine.request import Emit
 from engine.simple import SimpleEngine
 
 ENGINES: dict[str, type[EngineLoop]] = {"batched": BatchedEngine, "simple": SimpleEngine}
+# A spec whose load failed is not retried by requests before this many seconds: a broken path
+# must not cost every request a load attempt. `load` (an admin's reload) retries at once.
+LOAD_RETRY_AFTER_S = 60.0
 
 Loader = Callable[[ModelSpec], LoadedModel]
 
@@ -32,13 +39,23 @@ def load_spec(spec: ModelSpec) -> LoadedModel:
     return load_model(spec.path, name=spec.name, context_length=spec.context_length)
 
 
+@dataclass(frozen=True)
+class _Failure:
+    spec: ModelSpec
+    error: str
+    at: float  # time.time()
+    retry_at: float  # time.monotonic()
+
+
 class EngineWorker:
     """Serve models by name. `loader` turns a spec into a LoadedModel (tests pass prebuilt ones).
 
     A changed spec for a served name loads beside the old engine, which keeps serving until the
     new one is ready; then the new one takes the name and the old one drains (finishes what it
-    has in flight, refusing new work) and stops. Nothing here waits for an engine thread except
-    `unload` and `shutdown`, so the event loop can call `load`, `get`, `submit` and `abort`.
+    has in flight, refusing new work) and stops. A spec that fails to load never replaces a
+    working engine: the old one keeps serving and the failure is kept for `status`. Nothing here
+    waits for an engine thread except `unload` and `shutdown`, so the event loop can call
+    `load`, `serve`, `get`, `submit` and `abort`.
     """
 
     def __init__(
@@ -46,50 +63,109 @@ class EngineWorker:
     ):
         self._loader = loader
         self._engine_classes = engines or ENGINES
-        self._engines: dict[str, EngineLoop] = {}  # loaded (or failed to load) per name
+        self._engines: dict[str, EngineLoop] = {}  # serving (or dead after serving) per name
         self._loading: dict[str, tuple[EngineLoop, concurrent.futures.Future[ModelInfo]]] = {}
+        self._failures: dict[str, _Failure] = {}  # the last failed load per name
         self._retired: list[EngineLoop] = []  # replaced engines, possibly still draining
         self._lock = threading.Lock()
 
     def load(self, spec: ModelSpec) -> concurrent.futures.Future[ModelInfo]:
-        """Start serving `spec` (replacing another spec of that name); resolves once it serves."""
+        """Start serving `spec` (replacing another spec of that name); resolves once it serves,
+        or with the load's exception. Retries a failed spec at once."""
+        with self._lock:
+            return self._load_locked(spec)
+
+    def serve(self, spec: ModelSpec) -> concurrent.futures.Future[ModelInfo]:
+        """The info a request for `spec.name` is validated against, without waiting for a
+        reload: while any engine serves the name, at once (a different `spec` starts loading
+        beside it); otherwise once `spec` has loaded. A spec whose load failed less than
+        LOAD_RETRY_AFTER_S ago is not tried again: ModelLoadError, unless an older engine
+        still serves."""
+        with self._lock:
+            current = self._engines.get(spec.name)
+            failure = self._failures.get(spec.name)
+            recent = (
+                failure is not None and failure.spec == spec and time.monotonic() < failure.retry_at
+            )
+            if current is not None and current.is_serving:
+                if current.spec != spec and not recent:
+                    self._load_locked(spec)
+                return _resolved(current.info)
+            if recent:
+                future: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+                future.set_exception(ModelLoadError(failure.error))
+                return future
+            return self._load_locked(spec)
+
+    def _load_locked(self, spec: ModelSpec) -> concurrent.futures.Future[ModelInfo]:
         if spec.engine not in self._engine_classes:
             raise ValueError(
                 f"unknown engine {spec.engine!r}; choose from {sorted(self._engine_classes)}"
             )
-        with self._lock:
-            current = self._engines.get(spec.name)
-            if current is not None and current.spec == spec and current.is_serving:
-                return current.ready
-            loading = self._loading.get(spec.name)
-            if loading is not None and loading[0].spec == spec:
-                return loading[1]
-            engine = self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
-            # Resolved only after the swap, so whoever waits on it finds the new engine.
-            swapped: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
-            self._loading[spec.name] = (engine, swapped)
+        current = self._engines.get(spec.name)
+        if current is not None and current.spec == spec and current.is_serving:
+            return _resolved(current.info)
+        loading = self._loading.get(spec.name)
+        if loading is not None and loading[0].spec == spec:
+            return loading[1]
+        engine = self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
+        # Resolved only after the swap, so whoever waits on it finds the new engine.
+        swapped: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+        self._loading[spec.name] = (engine, swapped)
         engine.ready.add_done_callback(lambda _: self._swap(engine, swapped))
         engine.start()
         return swapped
 
     def _swap(self, engine: EngineLoop, swapped: concurrent.futures.Future[ModelInfo]) -> None:
-        name = engine.spec.name
+        name, error = engine.spec.name, engine.ready.exception()
         with self._lock:
             loading = self._loading.get(name)
-            if loading is not None and loading[0] is engine:
+            current = loading is not None and loading[0] is engine
+            if current:
                 del self._loading[name]
+            old = None
+            if not current:
+                old = engine  # superseded by another spec, or unloaded, while it loaded
+            elif error is None:
                 old = self._engines.get(name)
                 self._engines[name] = engine
+                self._failures.pop(name, None)
             else:
-                old = engine  # superseded by another spec, or unloaded, while it loaded
+                self._failures[name] = _Failure(
+                    engine.spec, describe(error), time.time(), time.monotonic() + LOAD_RETRY_AFTER_S
+                )
             if old is not None:
                 self._retired = [e for e in self._retired if e.is_alive()] + [old]
         if old is not None:
             old.drain()
-        if engine.ready.exception() is not None:
-            swapped.set_exception(engine.ready.exception())
+        if error is not None:
+            swapped.set_exception(error)
         else:
             swapped.set_result(engine.ready.result())
+
+    def status(self, name: str) -> ModelStatus:
+        """What serves `name` now, what loads, and the last load failure (for the admin)."""
+        with self._lock:
+            current = self._engines.get(name)
+            loading = self._loading.get(name)
+            failure = self._failures.get(name)
+        if current is not None and current.is_serving:
+            state = "serving"
+        elif loading is not None:
+            state = "loading"
+        elif failure is not None:
+            state = "failed"
+        else:
+            state = "stopped" if current is not None else "not_loaded"
+        return ModelStatus(
+            name=name,
+            state=state,
+            serving=current.spec if current is not None and current.is_serving else None,
+            loading=loading[0].spec if loading is not None else None,
+            error=failure.error if failure is not None else None,
+            failed_at=failure.at if failure is not None else None,
+            failed_spec=failure.spec if failure is not None else None,
+        )
 
     def unload(self, name: str) -> None:
         """Stop serving `name`, aborting its in-flight requests (waits for the threads)."""
@@ -98,6 +174,7 @@ class EngineWorker:
                 e for e in self._retired if e.spec.name == name
             ]
             self._loading.pop(name, None)
+            self._failures.pop(name, None)
         for engine in engines:
             if engine is not None:
                 engine.stop()
@@ -110,7 +187,7 @@ class EngineWorker:
         return engine
 
     def model_names(self) -> list[str]:
-        """Names with an engine (serving, failed or dead), as `stats` reports them."""
+        """Names with an engine (serving or dead), as `stats` reports them."""
         return list(self._engines)
 
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
@@ -144,3 +221,9 @@ class EngineWorker:
             self._engines, self._loading, self._retired = {}, {}, []
         for engine in engines:
             engine.stop(timeout)
+
+
+def _resolved(info: ModelInfo) -> concurrent.futures.Future[ModelInfo]:
+    future: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+    future.set_result(info)
+    return future

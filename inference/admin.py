@@ -18,8 +18,8 @@ from django.utils.functional import cached_property
 from accounts import keys
 from accounts.admin import KeySearchMixin, VisibleTeamFilter
 from inference.models import ERROR_DEFAULT_MUST_BE_ENABLED, DailyUsage, ModelEntry, UsageRecord
-from inference.registry import model_set_default
-from inference.usage import daily_usage_visible_to, usage_records_visible_to, usage_totals
+from inference.services.registry import model_set_default
+from inference.services.usage import daily_usage_visible_to, usage_records_visible_to, usage_totals
 
 # The changelist counts at most this many matching rows (then filters narrow it down).
 USAGE_COUNT_CAP = 10_000

@@ -33,7 +33,7 @@ def preload_models() -> None:
     listens at once, and a request that arrives first waits for its model's load. A model that
     cannot load is logged and answers 503 on its requests."""
     from inference.models import ModelEntry
-    from inference.registry import model_spec
+    from inference.services.registry import model_spec
 
     try:
         entries = list(ModelEntry.objects.filter(enabled=True))

@@ -29,18 +29,18 @@ from engine.protocol import (
     PromptInput,
     SamplingParams,
 )
-from inference import openai_format as fmt
-from inference.engine_access import get_engine_client
-from inference.errors import APIError, model_not_found
-from inference.execution import Execution
-from inference.models import ModelEntry
-from inference.registry import model_for_key, model_spec, models_for_key
-from inference.serializers import (
+from inference.api import openai_format as fmt
+from inference.api.serializers import (
     ChatCompletionSerializer,
     CompletionSerializer,
     MessageError,
     normalize_messages,
 )
+from inference.engine_access import get_engine_client
+from inference.errors import APIError, model_not_found
+from inference.models import ModelEntry
+from inference.services.execution import Execution
+from inference.services.registry import model_for_key, model_spec, models_for_key
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,10 @@ Counting rules:
   misses a request (it may count one twice, which errs on the safe side).
 - Parallel slots are leases: a crashed process's slots come back after PARALLEL_LEASE_SECONDS.
 - A check that fails reserves nothing.
+- A flexible admission (`min_tokens`: a request that did not fix its max_tokens) reserves what
+  the tpm window and the budget still allow, between `min_tokens` and `reserved_tokens`.
+- `precheck` refuses what no token count could admit, before any work is spent on a request.
+- A Redis that does not answer raises LimiterUnavailable (the API answers 503), never a hang.
 - A key idle for BUDGET_IDLE_SECONDS loses its counters; its budget is re-seeded from the
   database on its next admission, so memory follows the active keys, not every key ever seen.
 
@@ -33,10 +37,12 @@ from accounts.limits.base import (
     ERROR_REQUESTS,
     ERROR_TOKENS,
     ERROR_TOO_LARGE,
+    ERROR_UNAVAILABLE,
     PARALLEL_LEASE_SECONDS,
     WINDOW_SECONDS,
     Admission,
     Limiter,
+    LimiterUnavailable,
     RateLimitExceeded,
     format_duration,
 )
@@ -53,17 +59,20 @@ __all__ = [
     "ERROR_REQUESTS",
     "ERROR_TOKENS",
     "ERROR_TOO_LARGE",
+    "ERROR_UNAVAILABLE",
     "PARALLEL_LEASE_SECONDS",
     "WINDOW_SECONDS",
     "Admission",
     "InProcessLimiter",
     "Limiter",
+    "LimiterUnavailable",
     "RateLimitExceeded",
     "RedisLimiter",
     "admit",
     "current_headers",
     "format_duration",
     "get_limiter",
+    "precheck",
 ]
 
 _limiters: dict[str | None, Limiter] = {}
@@ -79,12 +88,24 @@ def get_limiter() -> Limiter:
         return _limiters[url]
 
 
-async def admit(api_key: ApiKey, *, reserved_tokens: int) -> Admission:
+async def admit(
+    api_key: ApiKey, *, reserved_tokens: int, min_tokens: int | None = None
+) -> Admission:
     """Check and reserve, atomically: 1 request (rpm), `reserved_tokens` (tpm and budget), 1
     parallel slot. Raises RateLimitExceeded (with headers) and reserves nothing when a limit
-    refuses. `reserved_tokens` should be prompt tokens + max_tokens; release with what was used
-    (prompt + completion tokens, as recorded in the usage row), after finishing that row."""
-    return await get_limiter().admit(api_key, reserved_tokens=reserved_tokens)
+    refuses. `reserved_tokens` should be prompt tokens + max_tokens; with `min_tokens`, fewer
+    may be granted (never fewer than `min_tokens`): `Admission.granted_tokens` says how many.
+    Release with what was used (prompt + completion tokens, as recorded in the usage row),
+    after finishing that row."""
+    return await get_limiter().admit(
+        api_key, reserved_tokens=reserved_tokens, min_tokens=min_tokens
+    )
+
+
+async def precheck(api_key: ApiKey) -> None:
+    """Raise RateLimitExceeded if no request of this key could be admitted now (rpm or parallel
+    slots full, no token left in the tpm window or the budget); reserves nothing."""
+    await get_limiter().precheck(api_key)
 
 
 async def current_headers(api_key: ApiKey) -> dict[str, str]:

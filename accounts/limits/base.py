@@ -41,6 +41,15 @@ PARALLEL_LEASE_SECONDS = 3600
 BUDGET_IDLE_SECONDS = 86400
 
 
+ERROR_UNAVAILABLE = "Rate limits cannot be checked right now; please retry shortly."
+
+
+class LimiterUnavailable(Exception):
+    """The shared counters (Redis) did not answer in time; the API answers 503."""
+
+    code = "limits_unavailable"
+
+
 class RateLimitExceeded(Exception):
     def __init__(self, message: str, *, code: str, limit: str, headers: dict[str, str]):
         super().__init__(message)
@@ -53,10 +62,11 @@ class RateLimitExceeded(Exception):
 @dataclass
 class Admission:
     """A granted admission. `release` must run exactly once the request ends, after its usage row
-    is finished (inference.execution's `Execution._finish` does both); it is idempotent and
+    is finished (inference.services.execution's `Execution._finish` does both); it is idempotent and
     cannot be interrupted half-way by cancellation."""
 
     headers: dict[str, str]
+    granted_tokens: int = 0  # what was reserved: the request's tokens, or less when flexible
     _release: Callable[[int], Awaitable[None]] | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
 
@@ -113,6 +123,7 @@ class Verdict:
     tokens_reset_ms: int = 0
     retry_ms: int = -1  # until the refused limit has room; -1 unknown
     budget_used: int = 0  # finished + in flight, before this request
+    granted: int = 0  # tokens reserved when admitted
 
 
 def format_duration(ms: int) -> str:
@@ -183,33 +194,63 @@ _background: set[asyncio.Task] = set()
 class Limiter:
     """The backend-independent half: seeding, headers, errors, the Admission."""
 
-    async def admit(self, api_key: ApiKey, *, reserved_tokens: int) -> Admission:
+    async def admit(
+        self, api_key: ApiKey, *, reserved_tokens: int, min_tokens: int | None = None
+    ) -> Admission:
+        """Reserve `reserved_tokens`; with `min_tokens`, as many of them as the tpm window and
+        the budget still allow, but at least `min_tokens` (`Admission.granted_tokens` says how
+        many)."""
         limits = Limits.of(api_key)
-        if limits.unlimited:
-            return Admission(headers={})
         reserved = max(0, int(reserved_tokens))
-        month = month_start(timezone.now().date())
-        admission_id = uuid.uuid4().hex
-        seed = None
-        while True:
-            verdict = await self._check_or_undo(limits, admission_id, reserved, month, seed)
-            if verdict.status != Status.NEED_SEED:
-                break
-            seed = await sync_to_async(api_key_month_tokens)(
-                api_key_id=limits.api_key_id, month=month
-            )
+        if limits.unlimited:
+            return Admission(headers={}, granted_tokens=reserved)
+        least = reserved if min_tokens is None else max(0, min(int(min_tokens), reserved))
+        verdict, admission_id, month = await self._verdict(limits, reserved, least, "admit")
         if verdict.status == Status.REJECTED:
-            raise _refusal(limits, verdict, reserved)
+            raise _refusal(limits, verdict, least)
 
         async def release(used_tokens: int) -> None:
             await self._release(limits, admission_id, used_tokens, month)
 
-        return Admission(headers=_headers(limits, verdict), _release=release)
+        return Admission(
+            headers=_headers(limits, verdict), granted_tokens=verdict.granted, _release=release
+        )
 
-    async def _check_or_undo(self, limits, admission_id, reserved, month, seed) -> Verdict:
+    async def precheck(self, api_key: ApiKey) -> None:
+        """Refuse, reserving nothing, a request that no token count could admit: the rpm
+        window or the parallel slots are full, or the tpm window or the budget has not one
+        token left. What a request is worth before its prompt is rendered."""
+        limits = Limits.of(api_key)
+        if limits.unlimited:
+            return
+        verdict, _, _ = await self._verdict(limits, 1, 1, "precheck")
+        if verdict.status == Status.REJECTED:
+            raise _refusal(limits, verdict, 1)
+
+    async def _verdict(
+        self, limits: Limits, reserved: int, least: int, mode: str
+    ) -> tuple[Verdict, str, datetime.date]:
+        month = month_start(timezone.now().date())
+        admission_id = uuid.uuid4().hex
+        seed = None
+        while True:
+            verdict = await self._check_or_undo(
+                limits, admission_id, reserved, least, month, seed, mode
+            )
+            if verdict.status != Status.NEED_SEED:
+                return verdict, admission_id, month
+            seed = await sync_to_async(api_key_month_tokens)(
+                api_key_id=limits.api_key_id, month=month
+            )
+
+    async def _check_or_undo(
+        self, limits, admission_id, reserved, least, month, seed, mode
+    ) -> Verdict:
         """The check, run to its end even if the caller is cancelled meanwhile; a reservation it
         makes for a caller that is gone is released at once instead of leaking until expiry."""
-        check = asyncio.ensure_future(self._check(limits, admission_id, reserved, month, seed))
+        check = asyncio.ensure_future(
+            self._check(limits, admission_id, reserved, least, month, seed, mode)
+        )
         try:
             return await asyncio.shield(check)
         except asyncio.CancelledError:
@@ -217,7 +258,7 @@ class Limiter:
             def undo(done: asyncio.Future) -> None:
                 if done.cancelled() or done.exception() is not None:
                     return
-                if done.result().status == Status.ADMITTED:
+                if done.result().status == Status.ADMITTED and mode == "admit":
                     task = asyncio.ensure_future(self._release(limits, admission_id, 0, month))
                     _background.add(task)
                     task.add_done_callback(_background.discard)
@@ -232,8 +273,17 @@ class Limiter:
         return _headers(limits, await self._peek(limits))
 
     async def _check(
-        self, limits: Limits, admission_id: str, reserved: int, month: datetime.date, seed
+        self,
+        limits: Limits,
+        admission_id: str,
+        reserved: int,
+        least: int,
+        month: datetime.date,
+        seed,
+        mode: str,
     ) -> Verdict:
+        """Admit (mode "admit": reserve between `least` and `reserved` tokens) or only judge
+        (mode "precheck"); Status.NEED_SEED when the budget needs the month's tokens."""
         raise NotImplementedError
 
     async def _peek(self, limits: Limits) -> Verdict:

@@ -99,13 +99,14 @@ class InProcessLimiter(Limiter):
                 return int(at + self._window_ms - now)
         return -1
 
-    async def _check(self, limits, admission_id, reserved, month, seed) -> Verdict:
+    async def _check(self, limits, admission_id, reserved, least, month, seed, mode) -> Verdict:
         with self._lock:
             now = time.monotonic() * 1000
             self._sweep(now)
             state = self._keys.setdefault(limits.ident, _KeyState())
             self._purge(state, now)
             verdict = self._counts(state, now)
+            grant = reserved
             budget = None
             if limits.budget is not None:
                 used_key = (limits.ident, month)
@@ -116,34 +117,40 @@ class InProcessLimiter(Limiter):
                     budget = self._used[used_key] = _Budget(seed, now + self._budget_idle_ms)
                 in_flight = sum(tokens for _, tokens in state.inflight.values())
                 verdict.budget_used = budget.finished + in_flight
-                if verdict.budget_used + reserved > limits.budget:
+                if verdict.budget_used + least > limits.budget:
                     verdict.status, verdict.reason = Status.REJECTED, "budget"
                     return verdict
-            if limits.tpm is not None and reserved > limits.tpm:
+                grant = min(grant, limits.budget - verdict.budget_used)
+            if limits.tpm is not None and least > limits.tpm:
                 verdict.status, verdict.reason = Status.REJECTED, "too_large"
                 return verdict
             if limits.rpm is not None and verdict.requests + 1 > limits.rpm:
                 verdict.status, verdict.reason = Status.REJECTED, "requests"
                 verdict.retry_ms = int(state.requests[0] + self._window_ms - now)
                 return verdict
-            if limits.tpm is not None and verdict.tokens + reserved > limits.tpm:
-                verdict.status, verdict.reason = Status.REJECTED, "tokens"
-                excess = verdict.tokens + reserved - limits.tpm
-                verdict.retry_ms = self._tokens_retry_ms(state, excess, now)
-                return verdict
+            if limits.tpm is not None:
+                if verdict.tokens + least > limits.tpm:
+                    verdict.status, verdict.reason = Status.REJECTED, "tokens"
+                    excess = verdict.tokens + least - limits.tpm
+                    verdict.retry_ms = self._tokens_retry_ms(state, excess, now)
+                    return verdict
+                grant = min(grant, limits.tpm - verdict.tokens)
             if limits.max_parallel is not None and len(state.inflight) >= limits.max_parallel:
                 verdict.status, verdict.reason = Status.REJECTED, "parallel"
                 return verdict
+            if mode == "precheck":
+                return verdict
+            verdict.granted = grant
             if limits.rpm is not None:
                 state.requests.append(now)
                 verdict.requests += 1
                 verdict.requests_reset_ms = int(self._window_ms)
             if limits.tpm is not None:
-                state.tokens[admission_id] = [now, reserved]
-                verdict.tokens += reserved
+                state.tokens[admission_id] = [now, grant]
+                verdict.tokens += grant
                 verdict.tokens_reset_ms = int(self._window_ms)
             if limits.tracks_inflight:
-                state.inflight[admission_id] = (now + self._lease_ms, reserved)
+                state.inflight[admission_id] = (now + self._lease_ms, grant)
             if budget is not None:
                 budget.expires_at = now + self._budget_idle_ms
             return verdict

@@ -13,6 +13,7 @@ from accounts.limits.base import (
     PARALLEL_LEASE_SECONDS,
     WINDOW_SECONDS,
     Limiter,
+    LimiterUnavailable,
     Limits,
     Status,
     Verdict,
@@ -25,8 +26,10 @@ REDIS_NAMESPACE = "orchard:limits:"
 #       4 in-flight leases (zset id->lease end), 5 in-flight reservations (hash id->tokens),
 #       6 the month's finished tokens (string)
 # ARGV: 1 id, 2 reserved, 3 rpm, 4 tpm, 5 max parallel, 6 budget (-1: no limit), 7 seed (-1: none),
-#       8 window ms, 9 lease ms, 10 budget idle ms, 11 mode ("admit" | "peek")
-# Returns {status, reason, requests, tokens, requests reset ms, tokens reset ms, retry ms, budget}.
+#       8 window ms, 9 lease ms, 10 budget idle ms, 11 mode ("admit" | "precheck" | "peek"),
+#       12 least (the fewest tokens to reserve: `reserved` unless the request is flexible)
+# Returns {status, reason, requests, tokens, requests reset ms, tokens reset ms, retry ms, budget,
+#          granted}.
 _ADMIT_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -34,6 +37,8 @@ local id, reserved = ARGV[1], tonumber(ARGV[2])
 local rpm, tpm, par = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local budget, seed = tonumber(ARGV[6]), tonumber(ARGV[7])
 local window, lease, idle = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local least = tonumber(ARGV[12])
+local grant = reserved
 
 local function purge(zkey, hkey, upto)
   local old = redis.call('ZRANGEBYSCORE', zkey, '-inf', upto)
@@ -59,41 +64,44 @@ purge(KEYS[4], KEYS[5], now)
 local requests = redis.call('ZCARD', KEYS[1])
 local tokens = hsum(KEYS[3])
 local rreset, treset = reset_ms(KEYS[1]), reset_ms(KEYS[2])
-if ARGV[11] == 'peek' then return {0, '', requests, tokens, rreset, treset, -1, 0} end
+if ARGV[11] == 'peek' then return {0, '', requests, tokens, rreset, treset, -1, 0, 0} end
 
 local used = 0
 if budget >= 0 then
   local finished = redis.call('GET', KEYS[6])
   if not finished then
-    if seed < 0 then return {2, '', 0, 0, 0, 0, -1, 0} end
+    if seed < 0 then return {2, '', 0, 0, 0, 0, -1, 0, 0} end
     redis.call('SET', KEYS[6], seed, 'PX', idle)
     finished = seed
   end
   used = tonumber(finished) + hsum(KEYS[5])
-  if used + reserved > budget then
-    return {1, 'budget', requests, tokens, rreset, treset, -1, used}
+  if used + least > budget then
+    return {1, 'budget', requests, tokens, rreset, treset, -1, used, 0}
   end
+  grant = math.min(grant, budget - used)
 end
-if tpm >= 0 and reserved > tpm then
-  return {1, 'too_large', requests, tokens, rreset, treset, -1, used}
+if tpm >= 0 and least > tpm then
+  return {1, 'too_large', requests, tokens, rreset, treset, -1, used, 0}
 end
 if rpm >= 0 and requests + 1 > rpm then
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   return {1, 'requests', requests, tokens, rreset, treset,
-          tonumber(oldest[2]) + window - now, used}
+          tonumber(oldest[2]) + window - now, used, 0}
 end
-if tpm >= 0 and tokens + reserved > tpm then
-  local excess, freed, retry = tokens + reserved - tpm, 0, -1
+if tpm >= 0 and tokens + least > tpm then
+  local excess, freed, retry = tokens + least - tpm, 0, -1
   local log = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
   for i = 1, #log, 2 do
     freed = freed + tonumber(redis.call('HGET', KEYS[3], log[i]) or 0)
     if freed >= excess then retry = tonumber(log[i + 1]) + window - now break end
   end
-  return {1, 'tokens', requests, tokens, rreset, treset, retry, used}
+  return {1, 'tokens', requests, tokens, rreset, treset, retry, used, 0}
 end
+if tpm >= 0 then grant = math.min(grant, tpm - tokens) end
 if par >= 0 and redis.call('ZCARD', KEYS[4]) >= par then
-  return {1, 'parallel', requests, tokens, rreset, treset, -1, used}
+  return {1, 'parallel', requests, tokens, rreset, treset, -1, used, 0}
 end
+if ARGV[11] == 'precheck' then return {0, '', requests, tokens, rreset, treset, -1, used, 0} end
 
 if rpm >= 0 then
   redis.call('ZADD', KEYS[1], now, id)
@@ -102,19 +110,19 @@ if rpm >= 0 then
 end
 if tpm >= 0 then
   redis.call('ZADD', KEYS[2], now, id)
-  redis.call('HSET', KEYS[3], id, reserved)
+  redis.call('HSET', KEYS[3], id, grant)
   redis.call('PEXPIRE', KEYS[2], window)
   redis.call('PEXPIRE', KEYS[3], window)
-  tokens, treset = tokens + reserved, window
+  tokens, treset = tokens + grant, window
 end
 if par >= 0 or budget >= 0 then
   redis.call('ZADD', KEYS[4], now + lease, id)
-  redis.call('HSET', KEYS[5], id, reserved)
+  redis.call('HSET', KEYS[5], id, grant)
   redis.call('PEXPIRE', KEYS[4], lease)
   redis.call('PEXPIRE', KEYS[5], lease)
 end
 if budget >= 0 then redis.call('PEXPIRE', KEYS[6], idle) end
-return {0, '', requests, tokens, rreset, treset, -1, used}
+return {0, '', requests, tokens, rreset, treset, -1, used, grant}
 """
 
 # KEYS: 3 tpm tokens, 4 in-flight leases, 5 in-flight reservations, 6 month's finished tokens
@@ -129,10 +137,15 @@ return held
 """
 
 
+# A Redis that does not answer within this gives the caller a 503 instead of a hung admission.
+SOCKET_TIMEOUT_S = 2.0
+
+
 class RedisLimiter(Limiter):
     """Counters in Redis, shared by every process. The client is the synchronous one run on a
     small thread pool: its connection pool is thread-safe, whereas an asyncio client is bound to
-    one event loop and the web process may run several."""
+    one event loop and the web process may run several. Every call has a connect and a socket
+    timeout; a Redis error or timeout raises LimiterUnavailable."""
 
     def __init__(
         self,
@@ -142,8 +155,11 @@ class RedisLimiter(Limiter):
         window_seconds: float = WINDOW_SECONDS,
         lease_seconds: float = PARALLEL_LEASE_SECONDS,
         budget_idle_seconds: float = BUDGET_IDLE_SECONDS,
+        timeout_seconds: float = SOCKET_TIMEOUT_S,
     ):
-        self._client = redis.Redis.from_url(url)
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds
+        )
         self._namespace = namespace
         self._window_ms = int(window_seconds * 1000)
         self._lease_ms = int(lease_seconds * 1000)
@@ -167,9 +183,12 @@ class RedisLimiter(Limiter):
     async def _run(self, fn, *args):
         # Shielded: a cancelled caller must not drop a release that is queued but not yet running.
         loop = asyncio.get_running_loop()
-        return await asyncio.shield(loop.run_in_executor(self._executor, fn, *args))
+        try:
+            return await asyncio.shield(loop.run_in_executor(self._executor, fn, *args))
+        except redis.RedisError as exc:
+            raise LimiterUnavailable(f"Redis did not answer: {exc}") from exc
 
-    def _script(self, limits: Limits, admission_id, reserved, month, seed, mode) -> Verdict:
+    def _script(self, limits: Limits, admission_id, reserved, least, month, seed, mode) -> Verdict:
         def arg(value):
             return -1 if value is None else int(value)
 
@@ -187,9 +206,10 @@ class RedisLimiter(Limiter):
                 self._lease_ms,
                 self._budget_idle_ms,
                 mode,
+                least,
             ],
         )
-        status, reason, requests, tokens, rreset, treset, retry, used = result
+        status, reason, requests, tokens, rreset, treset, retry, used, granted = result
         return Verdict(
             status=Status(status),
             reason=reason.decode() if isinstance(reason, bytes) else reason,
@@ -199,14 +219,17 @@ class RedisLimiter(Limiter):
             tokens_reset_ms=treset,
             retry_ms=retry,
             budget_used=used,
+            granted=granted,
         )
 
-    async def _check(self, limits, admission_id, reserved, month, seed) -> Verdict:
-        return await self._run(self._script, limits, admission_id, reserved, month, seed, "admit")
+    async def _check(self, limits, admission_id, reserved, least, month, seed, mode) -> Verdict:
+        return await self._run(
+            self._script, limits, admission_id, reserved, least, month, seed, mode
+        )
 
     async def _peek(self, limits) -> Verdict:
         month = month_start(timezone.now().date())
-        return await self._run(self._script, limits, "", 0, month, None, "peek")
+        return await self._run(self._script, limits, "", 0, 0, month, None, "peek")
 
     async def _release(self, limits, admission_id, used, month) -> None:
         keys = self._keys(limits.ident, month)[2:]

@@ -14,7 +14,7 @@ from accounts.admin import ERROR_NOT_A_MEMBER
 from accounts.authentication import ERROR_REVOKED, AuthenticationError, authenticate_header
 from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership
 from inference.models import ModelEntry, UsageRecord
-from inference.usage import usage_finish
+from inference.services.usage import usage_finish
 from tests.factories import (
     ApiKeyFactory,
     MembershipFactory,

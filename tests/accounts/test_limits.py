@@ -377,3 +377,106 @@ def test_get_limiter_follows_redis_url():
         assert isinstance(limits.get_limiter(), InProcessLimiter)
     with override_settings(REDIS_URL=TEST_REDIS_URL):
         assert isinstance(limits.get_limiter(), RedisLimiter)
+
+
+async def test_a_flexible_request_gets_what_the_tpm_window_has_left(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(tpm=1000)
+    # Below the window: the whole reservation (a request whose max_tokens was omitted asks for
+    # the rest of the context, 8000 tokens here).
+    first = await limiter.admit(api_key, reserved_tokens=8000, min_tokens=50)
+    assert first.granted_tokens == 1000
+    await first.release(used_tokens=300)
+    second = await limiter.admit(api_key, reserved_tokens=8000, min_tokens=50)
+    assert second.granted_tokens == 700
+    assert second.headers["x-ratelimit-remaining-tokens"] == "0"
+    with pytest.raises(RateLimitExceeded) as caught:
+        await limiter.admit(api_key, reserved_tokens=8000, min_tokens=50)
+    assert caught.value.limit == "tokens"
+    # A request that fixed its size still gets all of it or nothing.
+    await second.release(used_tokens=0)
+    with pytest.raises(RateLimitExceeded):
+        await limiter.admit(api_key, reserved_tokens=800)
+    exact = await limiter.admit(api_key, reserved_tokens=700)
+    assert exact.granted_tokens == 700
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_flexible_request_gets_what_the_budget_has_left(make_limiter, sync_thread_db):
+    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=1000)
+    month = month_start(timezone.now().date())
+    await ApiKeyMonthlyUsage.objects.acreate(api_key=api_key, month=month, tokens=400)
+    limiter = make_limiter()
+    held = await limiter.admit(api_key, reserved_tokens=8192, min_tokens=10)
+    assert held.granted_tokens == 600
+    with pytest.raises(RateLimitExceeded) as caught:
+        await limiter.admit(api_key, reserved_tokens=8192, min_tokens=10)
+    assert caught.value.code == CODE_QUOTA
+    await held.release(used_tokens=595)
+    last = await limiter.admit(api_key, reserved_tokens=8192, min_tokens=5)
+    assert last.granted_tokens == 5
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_precheck_refuses_what_no_size_could_admit_and_reserves_nothing(
+    make_limiter, sync_thread_db
+):
+    limiter = make_limiter()
+    api_key = await sync_to_async(ApiKeyFactory)(rpm=3, max_parallel=1, budget_tokens=100)
+    await limiter.precheck(api_key)
+    await limiter.precheck(api_key)  # nothing was counted
+    held = await limiter.admit(api_key, reserved_tokens=10)
+    with pytest.raises(RateLimitExceeded) as caught:
+        await limiter.precheck(api_key)
+    assert caught.value.limit == "parallel"
+    await held.release(used_tokens=100)  # the whole budget
+    with pytest.raises(RateLimitExceeded) as caught:
+        await limiter.precheck(api_key)
+    assert caught.value.code == CODE_QUOTA
+    headers = await limiter.current_headers(api_key)
+    assert headers["x-ratelimit-remaining-requests"] == "2"
+
+
+@pytest.fixture
+def silent_redis():
+    """A TCP server that accepts connections and never answers: a stalled Redis."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted = []
+    stop = threading.Event()
+
+    def accept():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+    stop.set()
+    thread.join()
+    for conn in accepted:
+        conn.close()
+    server.close()
+
+
+async def test_a_redis_that_does_not_answer_raises_limiter_unavailable(silent_redis):
+    limiter = RedisLimiter(url=silent_redis, timeout_seconds=0.3)
+    api_key = make_limited_key(rpm=10)
+    try:
+        for call in (
+            lambda: limiter.admit(api_key, reserved_tokens=1),
+            lambda: limiter.precheck(api_key),
+            lambda: limiter.current_headers(api_key),
+        ):
+            async with asyncio.timeout(5):
+                with pytest.raises(limits.LimiterUnavailable):
+                    await call()
+    finally:
+        limiter.close()

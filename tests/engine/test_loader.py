@@ -1,10 +1,10 @@
-"""The loader returns what it loaded on every path; chat templates get tools and kwargs."""
+"""The loader returns what it loaded on every path."""
 
 import pytest
-import transformers
 
 import engine.loader as loader
-from tests.fixtures.tiny_models import build_tiny_model, tokenizer_dir
+from engine.templates import apply_chat_template
+from tests.fixtures.tiny_models import build_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 
@@ -44,34 +44,5 @@ def test_falls_back_to_the_tokenizer_file(model_path, monkeypatch):
     loaded = loader.load_model(model_path)
     assert loaded.tokenizer_source == "tokenizer_file"
     assert 151645 in loaded.info.eos_token_ids
-    ids = loader.apply_chat_template(loaded.tokenizer, MESSAGES)
+    ids = apply_chat_template(loaded.tokenizer, MESSAGES)
     assert "<|im_start|>assistant" in loaded.tokenizer.decode(ids)
-
-
-def test_chat_template_kwargs_reach_the_template(monkeypatch):
-    tokenizer, _ = loader.load_tokenizer(tokenizer_dir("qwen3"))
-    seen = {}
-    original = transformers.PreTrainedTokenizerBase.apply_chat_template
-
-    def spy(self, *args, **kwargs):
-        seen.update(kwargs)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "apply_chat_template", spy)
-    ids = loader.apply_chat_template(
-        tokenizer, MESSAGES, chat_template_kwargs={"enable_thinking": False}
-    )
-    assert seen["enable_thinking"] is False
-    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    thinking = tokenizer.decode(loader.apply_chat_template(tokenizer, MESSAGES))
-    assert thinking.endswith("<|im_start|>assistant\n")
-
-
-def test_tools_reach_the_template():
-    tokenizer, _ = loader.load_tokenizer(tokenizer_dir("qwen3"))
-    tool = {
-        "type": "function",
-        "function": {"name": "get_weather", "parameters": {"type": "object"}},
-    }
-    text = tokenizer.decode(loader.apply_chat_template(tokenizer, MESSAGES, tools=[tool]))
-    assert "<tools>" in text and "get_weather" in text

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+import engine.worker
 from engine.local import LocalEngineClient
-from engine.protocol import ModelNotLoadedError, ModelSpec, PromptInput
+from engine.protocol import ModelLoadError, ModelNotLoadedError, ModelSpec, PromptInput
 from engine.worker import EngineWorker
 from tests.engine.conftest import eventually, greedy, make_request
 
@@ -125,3 +126,97 @@ async def test_abort_and_close_need_no_stats(client, monkeypatch):
     engine = client.worker.get("tiny")
     client.close(timeout=5)  # what an atexit hook calls: no event loop needed
     assert not engine.is_alive()
+
+
+BROKEN = ModelSpec(name="tiny", path="/no/such/model")
+
+
+def broken_or(tiny_llama, calls):
+    def loader(spec):
+        calls.append(spec)
+        if spec == BROKEN:
+            raise FileNotFoundError("no config.json in /no/such/model")
+        return tiny_llama
+
+    return loader
+
+
+async def test_a_failed_reload_keeps_the_old_engine_serving(tiny_llama):
+    calls = []
+    client = LocalEngineClient(EngineWorker(loader=broken_or(tiny_llama, calls)))
+    try:
+        await client.ensure_model(OLD)
+        old = client.worker.get("tiny")
+        with pytest.raises(FileNotFoundError):
+            await client.ensure_model(BROKEN)
+        assert client.worker.get("tiny") is old and old.is_serving
+        status = client.model_status("tiny")
+        assert status.state == "serving" and status.serving == OLD
+        assert "no config.json" in status.error and status.failed_spec == BROKEN
+        outputs = await collect(client.generate(make_request("still", [1, 2], greedy(2))))
+        assert outputs[-1].finish_reason == "length"
+        # Requests for the broken spec are served by the old engine and retry nothing.
+        for _ in range(5):
+            assert await client.serving_model(BROKEN) == old.info
+        assert calls.count(BROKEN) == 1
+        # An admin's reload (start_loading / load) tries again at once.
+        with pytest.raises(FileNotFoundError):
+            await asyncio.wrap_future(client.worker.load(BROKEN))
+        assert calls.count(BROKEN) == 2
+    finally:
+        await client.shutdown()
+
+
+async def test_a_model_that_never_loaded_fails_fast_with_its_error(tiny_llama, monkeypatch):
+    calls = []
+    client = LocalEngineClient(EngineWorker(loader=broken_or(tiny_llama, calls)))
+    try:
+        with pytest.raises(FileNotFoundError):
+            await client.serving_model(BROKEN)
+        for _ in range(3):
+            with pytest.raises(ModelLoadError, match=r"no config\.json"):
+                await client.serving_model(BROKEN)
+        assert calls.count(BROKEN) == 1
+        assert client.model_status("tiny").state == "failed"
+        # Past the retry interval, the next request tries the load again.
+        monkeypatch.setattr(engine.worker, "LOAD_RETRY_AFTER_S", 0.0)
+        await client.unload_model("tiny")
+        with pytest.raises(FileNotFoundError):
+            await client.serving_model(BROKEN)
+        with pytest.raises(FileNotFoundError):
+            await client.serving_model(BROKEN)
+        assert calls.count(BROKEN) == 3
+        # A fixed spec loads and clears the failure.
+        await client.serving_model(OLD)
+        assert client.model_status("tiny").state == "serving"
+        assert client.model_status("tiny").error is None
+    finally:
+        await client.shutdown()
+
+
+async def test_a_reload_never_makes_a_request_wait(tiny_llama):
+    loading = threading.Event()
+    release = threading.Event()
+
+    def loader(spec):
+        if spec == NEW:
+            loading.set()
+            release.wait(30)
+        return tiny_llama
+
+    client = LocalEngineClient(EngineWorker(loader=loader))
+    try:
+        await client.ensure_model(OLD)
+        old = client.worker.get("tiny")
+        async with asyncio.timeout(1):  # answered at once, with the serving engine's info
+            assert await client.serving_model(NEW) == old.info
+        await asyncio.to_thread(loading.wait, 30)
+        assert client.model_status("tiny").loading == NEW
+        async with asyncio.timeout(1):
+            assert await client.serving_model(NEW) == old.info
+        release.set()
+        await eventually(lambda: client.worker.get("tiny").spec == NEW)
+        assert client.model_status("tiny").loading is None
+    finally:
+        release.set()
+        await client.shutdown()

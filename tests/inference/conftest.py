@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
-from inference.registry import model_register
+from inference.services.registry import model_register
 
 TINY = "tiny-chat"
 TINY_SIMPLE = "tiny-chat-simple"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from inference.registry import model_register
+from inference.services.registry import model_register
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

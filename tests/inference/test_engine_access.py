@@ -5,7 +5,7 @@ import pytest
 from engine.local import LocalEngineClient
 from inference import engine_access
 from inference.models import ModelEntry
-from inference.registry import model_register, model_spec
+from inference.services.registry import model_register, model_spec
 
 
 @pytest.fixture

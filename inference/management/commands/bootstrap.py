@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand
 from accounts.services import api_key_create, team_membership_ensure
 from engine.gguf import default_gguf_path
 from inference.models import ModelEntry
-from inference.usage import usage_close_stale
+from inference.services.usage import usage_close_stale
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # SmolLM2's recommended sampling; OpenAI's default temperature of 1 makes a 135M model ramble.

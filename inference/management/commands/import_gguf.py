@@ -5,7 +5,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from engine.gguf import convert_gguf
-from inference.registry import model_register
+from inference.services.registry import model_register
 
 DTYPES = ("float32", "bfloat16", "quantized")
 

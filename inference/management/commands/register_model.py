@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from inference.models import ModelEntry
-from inference.registry import model_register
+from inference.services.registry import model_register
 
 
 class Command(BaseCommand):

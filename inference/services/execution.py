@@ -32,7 +32,7 @@ from engine.protocol import (
 from inference.engine_access import get_engine_client
 from inference.errors import APIError
 from inference.models import UsageRecord
-from inference.usage import usage_finish, usage_open, usage_reject
+from inference.services.usage import usage_finish, usage_open, usage_reject
 
 logger = logging.getLogger(__name__)
 

@@ -152,7 +152,7 @@ def test_completions_suffix_is_a_clear_400(client):
 
 def test_overloaded_model_answers_503(live_server_url, api_key, tiny_model_path):
     from inference.models import ModelEntry
-    from inference.registry import model_register
+    from inference.services.registry import model_register
 
     model_register(name="tiny-one-slot", path=tiny_model_path)
     ModelEntry.objects.filter(name="tiny-one-slot").update(max_num_seqs=1, max_waiting=1)

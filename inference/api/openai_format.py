@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.protocol import TokenLogprob
 from inference.errors import APIError
-from inference.execution import ChoiceOutput, Execution
+from inference.services.execution import ChoiceOutput, Execution
 
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -1,5 +1,5 @@
-"""inference.usage: every request ends with exactly one finished row, roll-ups equal the rows,
-and the start-up sweep is safe to run from several processes at once."""
+"""inference.services.usage: every request ends with exactly one finished row, roll-ups equal the
+rows, and the start-up sweep is safe to run from several processes at once."""
 
 import random
 import threading
@@ -15,7 +15,7 @@ from accounts.limits import PARALLEL_LEASE_SECONDS
 from accounts.models import ApiKeyMonthlyUsage
 from accounts.selectors import month_start
 from inference.models import DailyUsage, UsageRecord
-from inference.usage import (
+from inference.services.usage import (
     ERROR_SERVER_RESTARTED,
     USAGE_STALE_AFTER,
     usage_close_stale,

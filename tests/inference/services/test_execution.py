@@ -10,11 +10,11 @@ from asgiref.sync import sync_to_async
 from accounts import limits
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
 from engine.protocol import GenerationOutput, GenerationRequest, SamplingParams
-from inference import execution as execution_module
+from inference.api.openai_format import SSE_DONE, aggregate, chat_chunks, chat_completion_body
 from inference.errors import APIError
-from inference.execution import Execution
 from inference.models import UsageRecord
-from inference.openai_format import SSE_DONE, aggregate, chat_chunks, chat_completion_body
+from inference.services import execution as execution_module
+from inference.services.execution import Execution
 
 
 def make_key():

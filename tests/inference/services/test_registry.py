@@ -3,7 +3,7 @@
 import pytest
 from django.core.exceptions import ValidationError
 
-from inference.registry import model_register
+from inference.services.registry import model_register
 
 
 @pytest.mark.django_db

@@ -1,0 +1,124 @@
+"""Chat-template rendering: what a caller may pass to the template, and a time limit on it.
+
+`chat_template_kwargs` exist to set template *variables* (`enable_thinking`, ...). Everything
+else `apply_chat_template` accepts is the server's to decide: a caller-supplied `chat_template`
+would run the caller's Jinja in the server, `tokenize` or `return_dict` would change what comes
+back, `tools`/`documents`/`messages` would bypass validation, and the special-token names would
+rewrite what the template writes. Those keys are refused (vLLM closed the same hole as
+GHSA-6fvq-23cw-5628).
+
+Rendering runs Jinja in a thread nobody can cancel, so it runs under a deadline: a trace
+function installed for the rendering thread raises once the deadline has passed, at the next
+Python function call (every Jinja loop iteration makes one).
+
+Tokenizer-only: nothing here touches MLX, so it runs off the engine thread.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.protocol import InvalidRequestError
+
+T = TypeVar("T")
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SPECIAL_TOKEN_NAMES = frozenset(
+    {
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+    }
+)
+# The parameters of `apply_chat_template` itself (read from the installed transformers, so an
+# upgrade that adds one cannot open a hole), the template's own inputs, and the special tokens.
+RESERVED_TEMPLATE_KWARGS = (
+    frozenset(
+        name
+        for name, parameter in inspect.signature(
+            PreTrainedTokenizerBase.apply_chat_template
+        ).parameters.items()
+        if parameter.kind is not inspect.Parameter.VAR_KEYWORD and name != "self"
+    )
+    | {"messages", "conversation", "tools", "documents", "chat_template"}
+    | _SPECIAL_TOKEN_NAMES
+)
+
+ERROR_RESERVED = (
+    "chat_template_kwargs may only set template variables; {key!r} is decided by the server."
+)
+ERROR_NOT_A_VARIABLE = "chat_template_kwargs keys must be template variable names; got {key!r}."
+ERROR_TIMEOUT = "The chat template took longer than {seconds:g} s to render this conversation."
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """Raise InvalidRequestError (param chat_template_kwargs) for a key that is not a plain
+    template variable."""
+    for key in kwargs:
+        if not isinstance(key, str) or not _IDENTIFIER.fullmatch(key):
+            raise InvalidRequestError(
+                ERROR_NOT_A_VARIABLE.format(key=key), param="chat_template_kwargs"
+            )
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequestError(ERROR_RESERVED.format(key=key), param="chat_template_kwargs")
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of chat messages through the model's template, with tools and template
+    variables (checked by `check_template_kwargs`)."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError("This model has no chat template; send a plain prompt instead.")
+    variables = dict(chat_template_kwargs or {})
+    check_template_kwargs(variables)
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tools=[dict(tool) for tool in tools] if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **variables,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class _DeadlinePassed(BaseException):
+    # A BaseException, so that no `except Exception` inside Jinja or transformers swallows it.
+    pass
+
+
+def with_deadline(fn: Callable[[], T], seconds: float) -> T:
+    """Run `fn` on this thread, raising InvalidRequestError (param messages) if it runs past
+    `seconds`. Only Python code is interrupted; the time of one C call is not bounded."""
+    deadline = time.monotonic() + seconds
+
+    def trace(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _DeadlinePassed
+        return None  # no per-line tracing: a check per call is enough and cheap
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        return fn()
+    except _DeadlinePassed:
+        raise InvalidRequestError(ERROR_TIMEOUT.format(seconds=seconds), param="messages") from None
+    finally:
+        sys.settrace(previous)

@@ -1,0 +1,116 @@
+"""Chat templates get tools and template variables, never the server's own arguments, and a
+render that runs too long is stopped."""
+
+import time
+
+import pytest
+import transformers
+
+from engine import templates
+from engine.loader import load_tokenizer
+from engine.protocol import InvalidRequestError
+from tests.fixtures.tiny_models import tokenizer_dir
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(tokenizer_dir("qwen3"))[0]
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer, monkeypatch):
+    seen = {}
+    original = transformers.PreTrainedTokenizerBase.apply_chat_template
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "apply_chat_template", spy)
+    ids = templates.apply_chat_template(
+        tokenizer, MESSAGES, chat_template_kwargs={"enable_thinking": False}
+    )
+    assert seen["enable_thinking"] is False
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    thinking = tokenizer.decode(templates.apply_chat_template(tokenizer, MESSAGES))
+    assert thinking.endswith("<|im_start|>assistant\n")
+
+
+def test_tools_reach_the_template(tokenizer):
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object"}},
+    }
+    text = tokenizer.decode(templates.apply_chat_template(tokenizer, MESSAGES, tools=[tool]))
+    assert "<tools>" in text and "get_weather" in text
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "tokenizer_kwargs",
+        "tools",
+        "documents",
+        "messages",
+        "conversation",
+        "eos_token",
+        "bos_token",
+        "not a name",
+        "{{ x }}",
+    ],
+)
+def test_server_owned_keys_are_refused_before_the_template_runs(tokenizer, monkeypatch, key):
+    def must_not_render(*args, **kwargs):
+        raise AssertionError("the template ran")
+
+    monkeypatch.setattr(
+        transformers.PreTrainedTokenizerBase, "apply_chat_template", must_not_render
+    )
+    with pytest.raises(InvalidRequestError) as caught:
+        templates.apply_chat_template(
+            tokenizer, MESSAGES, chat_template_kwargs={key: "{{ 7 * 7 }}"}
+        )
+    assert caught.value.param == "chat_template_kwargs"
+
+
+def test_every_parameter_of_apply_chat_template_is_reserved():
+    import inspect
+
+    names = set(
+        inspect.signature(transformers.PreTrainedTokenizerBase.apply_chat_template).parameters
+    ) - {"self", "kwargs"}
+    assert names and names <= templates.RESERVED_TEMPLATE_KWARGS
+    templates.check_template_kwargs({"enable_thinking": False, "reasoning_effort": "low"})
+
+
+def test_a_render_past_its_deadline_is_stopped(tokenizer):
+    # The template is the admin's, the conversation the caller's: three nested loops over 400
+    # messages are 64 million iterations, far past any reasonable render.
+    loop = "{% for VAR in messages %}"
+    slow = loop.replace("VAR", "a") + loop.replace("VAR", "b") + loop.replace("VAR", "c")
+    slow += "x" + "{% endfor %}" * 3
+    messages = [{"role": "user", "content": str(i)} for i in range(400)]
+    original = tokenizer.chat_template
+    tokenizer.chat_template = slow
+    try:
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError) as caught:
+            templates.with_deadline(
+                lambda: templates.apply_chat_template(tokenizer, messages), seconds=0.5
+            )
+        assert time.monotonic() - started < 3
+        assert caught.value.param == "messages" and "0.5 s" in str(caught.value)
+    finally:
+        tokenizer.chat_template = original
+    # The thread's tracing is gone afterwards, and a normal render still works under a deadline.
+    import sys
+
+    assert sys.gettrace() is None
+    ids = templates.with_deadline(lambda: templates.apply_chat_template(tokenizer, MESSAGES), 5)
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
