@@ -77,8 +77,7 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
 def setup_home(home: Path) -> tuple[str, str]:
     """Migrate a fresh database under `home`, register the model; return (unlimited, limited)."""
     os.environ.update({"ORCHARD_HOME": str(home), "DJANGO_SETTINGS_MODULE": "config.settings"})
-    for name in ("DATABASE_URL", "ORCHARD_SQLITE_PATH"):
-        os.environ.pop(name, None)
+    os.environ.pop("DATABASE_URL", None)
     import django
 
     django.setup()

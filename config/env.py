@@ -38,6 +38,16 @@ def env_int(name: str, default: int) -> int:
         raise ImproperlyConfigured(f"{name} must be an integer, not {value!r}.") from None
 
 
+def env_float(name: str, default: float) -> float:
+    value = env_str(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, not {value!r}.") from None
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     value = env_str(name)
     return default if value is None else [item.strip() for item in value.split(",") if item.strip()]

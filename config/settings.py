@@ -9,7 +9,7 @@ import secrets
 
 import dj_database_url
 
-from config.env import BASE_DIR, env_bool, env_int, env_list, env_str, orchard_home
+from config.env import BASE_DIR, env_bool, env_float, env_int, env_list, env_str, orchard_home
 
 ORCHARD_HOME = orchard_home()
 ORCHARD_HOME.mkdir(parents=True, exist_ok=True)
@@ -74,6 +74,15 @@ TEMPLATES = [
     },
 ]
 
+# Every SQLite database, however configured, gets these. IMMEDIATE takes the write lock at BEGIN,
+# so concurrent writers queue on the busy timeout instead of failing with "database is locked"
+# half-way through a transaction; WAL lets readers run beside the writer.
+SQLITE_OPTIONS = {
+    "transaction_mode": "IMMEDIATE",
+    "timeout": 30,
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+}
+
 DATABASE_URL = env_str("DATABASE_URL")
 if DATABASE_URL:
     # CONN_MAX_AGE=0: persistent connections leak under ASGI (each async request may run its
@@ -83,18 +92,14 @@ else:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": env_str("ORCHARD_SQLITE_PATH") or str(ORCHARD_HOME / "db.sqlite3"),
-            # A file, not memory: the live-server tests share it with a daphne subprocess.
-            "TEST": {"NAME": str(ORCHARD_HOME / "test-db.sqlite3")},
-            "OPTIONS": {
-                # IMMEDIATE takes the write lock at BEGIN, so concurrent writers queue on the busy
-                # timeout instead of failing with "database is locked" half-way through.
-                "transaction_mode": "IMMEDIATE",
-                "timeout": 30,
-                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-            },
+            "NAME": str(ORCHARD_HOME / "db.sqlite3"),
         }
     }
+for _database in DATABASES.values():
+    if _database["ENGINE"] == "django.db.backends.sqlite3":
+        _database["OPTIONS"] = {**SQLITE_OPTIONS, **_database.get("OPTIONS", {})}
+        # A file, not memory: the live-server tests share it with a daphne subprocess.
+        _database.setdefault("TEST", {}).setdefault("NAME", str(ORCHARD_HOME / "test-db.sqlite3"))
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL")
@@ -136,6 +141,8 @@ ORCHARD_ENGINE = env_str("ORCHARD_ENGINE", "local")  # "local" today; "remote" w
 # Load the enabled models when the web process starts, so the first request does not wait for
 # them; models registered later load on their first request.
 ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", True)
+# A chat template (or tokenizer) still rendering one prompt after this is stopped with a 400.
+ORCHARD_RENDER_TIMEOUT_SECONDS = env_float("ORCHARD_RENDER_TIMEOUT_SECONDS", 10.0)
 
 LOGGING = {
     "version": 1,

@@ -101,7 +101,10 @@ class LocalEngineClient(EngineClient):
         # Tokenizers and templates only: no MLX off the engine thread.
         if timeout_s is None:
             return await asyncio.to_thread(_render, tokenizer, prompt)
-        return await asyncio.to_thread(with_deadline, lambda: _render(tokenizer, prompt), timeout_s)
+        param = "messages" if prompt.messages is not None else "prompt"
+        return await asyncio.to_thread(
+            with_deadline, lambda: _render(tokenizer, prompt), timeout_s, param=param
+        )
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         tokenizer = self.worker.get(model).loaded.tokenizer

@@ -60,7 +60,7 @@ ERROR_RESERVED = (
     "chat_template_kwargs may only set template variables; {key!r} is decided by the server."
 )
 ERROR_NOT_A_VARIABLE = "chat_template_kwargs keys must be template variable names; got {key!r}."
-ERROR_TIMEOUT = "The chat template took longer than {seconds:g} s to render this conversation."
+ERROR_TIMEOUT = "The prompt took longer than {seconds:g} s to render."
 
 
 def check_template_kwargs(kwargs: Mapping[str, Any]) -> None:
@@ -104,8 +104,8 @@ class _DeadlinePassed(BaseException):
     pass
 
 
-def with_deadline(fn: Callable[[], T], seconds: float) -> T:
-    """Run `fn` on this thread, raising InvalidRequestError (param messages) if it runs past
+def with_deadline(fn: Callable[[], T], seconds: float, *, param: str = "messages") -> T:
+    """Run `fn` on this thread, raising InvalidRequestError (naming `param`) if it runs past
     `seconds`. Only Python code is interrupted; the time of one C call is not bounded."""
     deadline = time.monotonic() + seconds
 
@@ -119,6 +119,6 @@ def with_deadline(fn: Callable[[], T], seconds: float) -> T:
     try:
         return fn()
     except _DeadlinePassed:
-        raise InvalidRequestError(ERROR_TIMEOUT.format(seconds=seconds), param="messages") from None
+        raise InvalidRequestError(ERROR_TIMEOUT.format(seconds=seconds), param=param) from None
     finally:
         sys.settrace(previous)

@@ -1,10 +1,10 @@
 from django.urls import path
 
-from inference import views
+from inference.api import chat, completions, models
 
 urlpatterns = [
-    path("models", views.models_list, name="v1-models"),
-    path("models/<path:model_id>", views.model_detail, name="v1-model-detail"),
-    path("chat/completions", views.chat_completions, name="v1-chat-completions"),
-    path("completions", views.completions, name="v1-completions"),
+    path("models", models.models_list, name="v1-models"),
+    path("models/<path:model_id>", models.model_detail, name="v1-model-detail"),
+    path("chat/completions", chat.chat_completions, name="v1-chat-completions"),
+    path("completions", completions.completions, name="v1-completions"),
 ]

@@ -1,24 +1,32 @@
-"""Input serializers for the /v1 endpoints. Unknown fields are ignored, as OpenAI does."""
+"""Input serializers for the /v1 endpoints: the *shape* of a body (JSON types, which forms a
+field takes). Ranges and token ids are checked once, by `engine.protocol.validate_generation`,
+after the model's defaults are applied. Unknown fields are ignored, as OpenAI does."""
 
-import json
+import math
+import re
 from typing import Any
 
 from rest_framework import serializers
 
+from engine.protocol import InvalidRequestError
+from engine.templates import check_template_kwargs
+from inference.api import jsonbody
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")
 
 
-class StopField(serializers.Field):
-    default_error_messages = {"invalid": "stop must be a string or a list of up to 4 strings."}
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
-    def to_internal_value(self, data: Any) -> tuple[str, ...]:
-        if data is None:
-            return ()
-        if isinstance(data, str):
-            return (data,)
-        if isinstance(data, list) and len(data) <= 4 and all(isinstance(s, str) for s in data):
-            return tuple(data)
-        self.fail("invalid")
+
+class StrictCharField(serializers.CharField):
+    """JSON strings only: OpenAI rejects `"model": 5` rather than reading it as "5"."""
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 class StrictBooleanField(serializers.BooleanField):
@@ -30,60 +38,99 @@ class StrictBooleanField(serializers.BooleanField):
         self.fail("invalid", input=data)
 
 
-class SamplingSerializer(serializers.Serializer):
-    """Fields shared by chat completions and completions; ranges mirror OpenAI's."""
+class NumberField(serializers.Field):
+    """A JSON number (not a boolean, not a string), finite."""
 
-    model = serializers.CharField(max_length=200)
-    temperature = serializers.FloatField(min_value=0, max_value=2, required=False, allow_null=True)
-    top_p = serializers.FloatField(min_value=0, max_value=1, required=False, allow_null=True)
-    top_k = serializers.IntegerField(min_value=0, required=False, allow_null=True)
-    min_p = serializers.FloatField(min_value=0, max_value=1, required=False, allow_null=True)
-    presence_penalty = serializers.FloatField(
-        min_value=-2, max_value=2, required=False, allow_null=True
-    )
-    frequency_penalty = serializers.FloatField(
-        min_value=-2, max_value=2, required=False, allow_null=True
-    )
-    repetition_penalty = serializers.FloatField(
-        min_value=0.01, max_value=10, required=False, allow_null=True
-    )
-    logit_bias = serializers.DictField(
-        child=serializers.FloatField(min_value=-100, max_value=100), required=False, allow_null=True
-    )
-    seed = serializers.IntegerField(required=False, allow_null=True)
-    n = serializers.IntegerField(min_value=1, max_value=16, required=False, allow_null=True)
+    default_error_messages = {"invalid": "A number is required."}
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            self.fail("invalid")
+        try:
+            value = float(data)
+        except OverflowError:  # an integer too large for a float
+            self.fail("invalid")
+        if not math.isfinite(value):
+            self.fail("invalid")
+        return value
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+class IntField(serializers.Field):
+    """A JSON integer (an integral number such as 2.0 is taken as 2; booleans are not)."""
+
+    default_error_messages = {"invalid": "An integer is required."}
+
+    def to_internal_value(self, data: Any) -> int:
+        if _is_int(data):
+            return data
+        if isinstance(data, float) and math.isfinite(data) and data.is_integer():
+            return int(data)
+        self.fail("invalid")
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+class StopField(serializers.Field):
+    default_error_messages = {"invalid": "stop must be a string or a list of strings."}
+
+    def to_internal_value(self, data: Any) -> tuple[str, ...]:
+        if isinstance(data, str):
+            return (data,)
+        if isinstance(data, list) and all(isinstance(s, str) for s in data):
+            return tuple(data)
+        self.fail("invalid")
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+class SamplingSerializer(serializers.Serializer):
+    """Fields shared by chat completions and completions."""
+
+    model = StrictCharField(max_length=200)
+    temperature = NumberField(required=False, allow_null=True)
+    top_p = NumberField(required=False, allow_null=True)
+    top_k = IntField(required=False, allow_null=True)
+    min_p = NumberField(required=False, allow_null=True)
+    presence_penalty = NumberField(required=False, allow_null=True)
+    frequency_penalty = NumberField(required=False, allow_null=True)
+    repetition_penalty = NumberField(required=False, allow_null=True)
+    logit_bias = serializers.DictField(child=NumberField(), required=False, allow_null=True)
+    seed = IntField(required=False, allow_null=True)
+    n = IntField(required=False, allow_null=True)
     stop = StopField(required=False, allow_null=True)
-    stop_token_ids = serializers.ListField(
-        child=serializers.IntegerField(min_value=0), required=False, allow_null=True
-    )
-    max_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
-    min_tokens = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    stop_token_ids = serializers.ListField(child=IntField(), required=False, allow_null=True)
+    max_tokens = IntField(required=False, allow_null=True)
+    min_tokens = IntField(required=False, allow_null=True)
     ignore_eos = StrictBooleanField(required=False, allow_null=True)
     stream = StrictBooleanField(required=False, allow_null=True)
     stream_options = serializers.DictField(required=False, allow_null=True)
-    user = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+    user = StrictCharField(required=False, allow_null=True, allow_blank=True)
 
     def validate_logit_bias(self, value: dict | None) -> dict[int, float]:
-        try:
-            return {int(k): float(v) for k, v in (value or {}).items()}
-        except ValueError:
-            raise serializers.ValidationError("logit_bias keys must be token ids.") from None
+        biases = {}
+        for key, bias in (value or {}).items():
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise serializers.ValidationError("logit_bias keys must be token ids.")
+            biases[int(key)] = bias
+        return biases
 
     def validate_stream_options(self, value: dict | None) -> dict:
         value = value or {}
-        include = value.get("include_usage", False)
-        if not isinstance(include, bool):
+        if not isinstance(value.get("include_usage", False), bool):
             raise serializers.ValidationError("include_usage must be a boolean.")
         return value
 
 
 class ChatCompletionSerializer(SamplingSerializer):
     messages = serializers.ListField(child=serializers.JSONField(), allow_empty=False)
-    max_completion_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    max_completion_tokens = IntField(required=False, allow_null=True)
     logprobs = StrictBooleanField(required=False, allow_null=True)
-    top_logprobs = serializers.IntegerField(
-        min_value=0, max_value=20, required=False, allow_null=True
-    )
+    top_logprobs = IntField(required=False, allow_null=True)
     response_format = serializers.DictField(required=False, allow_null=True)
     tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True)
     tool_choice = serializers.JSONField(required=False, allow_null=True)
@@ -92,8 +139,7 @@ class ChatCompletionSerializer(SamplingSerializer):
     def validate_response_format(self, value: dict | None) -> dict | None:
         if value is None:
             return None
-        kind = value.get("type")
-        if kind not in ("text", "json_object"):
+        if value.get("type") not in ("text", "json_object"):
             raise serializers.ValidationError(
                 "response_format.type must be 'text' or 'json_object'."
             )
@@ -108,13 +154,26 @@ class ChatCompletionSerializer(SamplingSerializer):
                 raise serializers.ValidationError(f"tools[{index}].function.name is required.")
         return value
 
+    def validate_chat_template_kwargs(self, value: dict | None) -> dict:
+        try:
+            check_template_kwargs(value or {})
+        except InvalidRequestError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        return value or {}
+
 
 class CompletionSerializer(SamplingSerializer):
     prompt = serializers.JSONField()
     echo = StrictBooleanField(required=False, allow_null=True)
-    logprobs = serializers.IntegerField(min_value=0, max_value=5, required=False, allow_null=True)
-    suffix = serializers.CharField(required=False, allow_null=True, allow_blank=True)
-    best_of = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    logprobs = IntField(required=False, allow_null=True)
+    suffix = StrictCharField(required=False, allow_null=True, allow_blank=True)
+    best_of = IntField(required=False, allow_null=True)
+
+    def validate_logprobs(self, value: int | None) -> int | None:
+        # The legacy endpoint's own limit (chat allows top_logprobs up to 20).
+        if value is not None and not 0 <= value <= 5:
+            raise serializers.ValidationError("logprobs must be between 0 and 5.")
+        return value
 
     def validate_prompt(self, value: Any) -> list[str | list[int]]:
         """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
@@ -123,18 +182,14 @@ class CompletionSerializer(SamplingSerializer):
         if isinstance(value, list) and value:
             if all(isinstance(p, str) for p in value):
                 return list(value)
-            if all(_is_token_id(t) for t in value):
+            if all(_is_int(t) for t in value):
                 return [list(value)]
-            if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
                 return [list(p) for p in value]
         raise serializers.ValidationError(
             "prompt must be a string, a list of strings, or token ids (a list of integers or a "
             "list of such lists), and not empty."
         )
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class MessageError(ValueError):
@@ -180,7 +235,9 @@ def _text_content(content: Any, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise MessageError(f"{where}.content must be a string or a list of parts.", where)
+        raise MessageError(
+            f"{where}.content must be a string or a list of parts.", f"{where}.content"
+        )
     texts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -208,8 +265,8 @@ def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(arguments, str):
             # Templates (Qwen, Llama) render arguments with `tojson`; give them the object.
             try:
-                arguments = json.loads(arguments or "{}")
-            except json.JSONDecodeError:
+                arguments = jsonbody.loads(arguments or "{}")
+            except jsonbody.BodyError:
                 pass
         calls.append(
             {

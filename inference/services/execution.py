@@ -1,20 +1,23 @@
-"""One execution path for every generating /v1 request, streamed or not.
+"""One execution of engine requests for a /v1 call: admission, usage row, engine streams.
 
 `Execution.start()` admits the request (limits), opens its usage row and starts the engine streams;
 errors up to the first output become proper HTTP errors. `outputs()` yields engine outputs in
 arrival order; a non-streamed response is just this stream aggregated. Whatever happens (finished,
 client gone, engine error, a cancellation before the body was ever read), `finish()` runs exactly
-once: it aborts what is still running in the engine, releases the limiter reservation and finishes
-the usage row with the tokens the client actually received.
+once and never raises: it closes the engine streams (which aborts what is still running), finishes
+the usage row with the tokens the client actually received (retried in the background if the
+database refuses, never lost) and releases the limiter reservation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
@@ -38,7 +41,12 @@ logger = logging.getLogger(__name__)
 
 # Engine finish reasons that fail a request ("abort": the model was unloaded or the server is
 # stopping), with the usage row's error code for each.
-_FAILURE_CODES = {"error": "engine_error", "abort": "engine_aborted"}
+FAILURE_CODES = {"error": "engine_error", "abort": "engine_aborted"}
+# A usage row the database refused to finish is retried after each of these delays (about five
+# minutes in all); after that it stays in progress for the start-up sweep.
+USAGE_RETRY_DELAYS_S = (0.5, 1, 2, 4, 8, 15, 30, 60, 60, 60, 60)
+
+_background: set[asyncio.Task] = set()
 
 
 async def _outlast_cancellation(future: asyncio.Future):
@@ -51,6 +59,45 @@ async def _outlast_cancellation(future: asyncio.Future):
                 return future.result()
 
 
+async def admission_refused(
+    exc: limits.RateLimitExceeded | limits.LimiterUnavailable,
+    *,
+    request_id: str,
+    api_key: ApiKey,
+    model: str,
+    endpoint: str,
+) -> APIError:
+    """Record a refused request (a finished usage row with no tokens) and build its error."""
+    await sync_to_async(usage_reject)(
+        request_id=request_id,
+        api_key=api_key,
+        model=model,
+        endpoint=endpoint,
+        error_code=exc.code,
+    )
+    if isinstance(exc, limits.LimiterUnavailable):
+        logger.error("limits unavailable: %s", exc)
+        return APIError(503, limits.ERROR_UNAVAILABLE, code=exc.code)
+    # OpenAI types an exhausted budget as its own error type, not a rate limit.
+    error_type = "insufficient_quota" if exc.code == "insufficient_quota" else None
+    return APIError(429, exc.message, code=exc.code, type=error_type, headers=exc.headers)
+
+
+def _start_error(exc: BaseException) -> BaseException:
+    """The HTTP error for an engine error raised before the first output."""
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(
+            503, "The model is overloaded with requests; please retry shortly.", code=exc.code
+        )
+    if isinstance(exc, ModelNotLoadedError):
+        return APIError(503, "The model is being reloaded; please retry shortly.", code=exc.code)
+    if isinstance(exc, EngineError):
+        return APIError(500, f"Engine error: {exc}", code=exc.code)
+    return exc
+
+
 @dataclass
 class ChoiceOutput:
     """An engine output tagged with the response-level choice index."""
@@ -61,11 +108,16 @@ class ChoiceOutput:
 
 @dataclass
 class Execution:
+    """`flexible`: the caller fixed no max_tokens, so admission may grant fewer tokens than
+    `reserved_tokens` (what the tpm window and budget have left); the requests' max_tokens are
+    then cut to fit, and those generations end with finish_reason "length" there."""
+
     api_key: ApiKey
     model: str
     endpoint: str
     request_id: str
     requests: list[GenerationRequest]
+    flexible: bool = False
     headers: dict[str, str] = field(default_factory=dict)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -79,16 +131,20 @@ class Execution:
     _first_token_ms: int | None = None
     _finished: bool = False
     _finish_task: asyncio.Task | None = None
+    _failure: str | None = None  # set by `fail`: the response broke outside the engine
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
         self._open_choices = [r.sampling.n for r in self.requests]
 
     @property
+    def num_choices(self) -> int:
+        return sum(r.sampling.n for r in self.requests)
+
+    @property
     def reserved_tokens(self) -> int:
-        return sum(
-            len(r.prompt_token_ids) + (r.sampling.max_tokens or 0) * r.sampling.n
-            for r in self.requests
+        return self.num_prompt_tokens + sum(
+            (r.sampling.max_tokens or 0) * r.sampling.n for r in self.requests
         )
 
     @property
@@ -97,20 +153,21 @@ class Execution:
 
     async def start(self) -> None:
         try:
-            self._admission = await limits.admit(self.api_key, reserved_tokens=self.reserved_tokens)
-        except limits.RateLimitExceeded as exc:
-            await sync_to_async(usage_reject)(
+            self._admission = await limits.admit(
+                self.api_key,
+                reserved_tokens=self.reserved_tokens,
+                min_tokens=self.num_prompt_tokens + self.num_choices if self.flexible else None,
+            )
+        except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
+            raise await admission_refused(
+                exc,
                 request_id=self.request_id,
                 api_key=self.api_key,
                 model=self.model,
                 endpoint=self.endpoint,
-                error_code=exc.code,
-            )
-            # OpenAI types an exhausted budget as its own error type, not a rate limit.
-            error_type = "insufficient_quota" if exc.code == "insufficient_quota" else None
-            raise APIError(
-                429, exc.message, code=exc.code, type=error_type, headers=exc.headers
             ) from None
+        if self.flexible and self._admission.granted_tokens < self.reserved_tokens:
+            self._fit_to(self._admission.granted_tokens)
         self.headers = dict(self._admission.headers)
         opening = asyncio.ensure_future(
             sync_to_async(usage_open)(
@@ -132,7 +189,7 @@ class Execution:
                 await self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected")
             raise
         except BaseException:
-            await asyncio.shield(self._admission.release(used_tokens=0))
+            await asyncio.shield(self._release(used_tokens=0))
             raise
         self._usage_id = record.pk
         # If the request task ends by any route that skips outputs() (a cancellation between
@@ -149,21 +206,26 @@ class Execution:
                 else UsageRecord.Status.FAILED
             )
             await self.finish(status, error_code=getattr(exc, "code", "") or "")
-            if isinstance(exc, InvalidRequestError):
-                raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-            if isinstance(exc, EngineOverloadedError):
-                raise APIError(
-                    503,
-                    "The model is overloaded with requests; please retry shortly.",
-                    code=exc.code,
-                ) from None
-            if isinstance(exc, ModelNotLoadedError):
-                raise APIError(
-                    503, "The model is being reloaded; please retry shortly.", code=exc.code
-                ) from None
-            if isinstance(exc, EngineError):
-                raise APIError(500, f"Engine error: {exc}", code=exc.code) from None
-            raise
+            error = _start_error(exc)
+            if error is exc:
+                raise
+            raise error from None
+
+    def _fit_to(self, granted: int) -> None:
+        """Share a smaller grant out as the completion tokens of every choice (each gets at
+        least one: admission granted the prompt plus one per choice)."""
+        per_choice = (granted - self.num_prompt_tokens) // self.num_choices
+        self.requests = [
+            dataclasses.replace(
+                request,
+                sampling=dataclasses.replace(
+                    request.sampling,
+                    max_tokens=min(request.sampling.max_tokens, per_choice),
+                    min_tokens=min(request.sampling.min_tokens, per_choice),
+                ),
+            )
+            for request in self.requests
+        ]
 
     async def _start_streams(self) -> None:
         """Submit every request (several prompts are queued together, so they can prefill
@@ -193,9 +255,9 @@ class Execution:
                 async for index, output in merged:
                     self._account(output)
                     # Set before yielding: a consumer that stops at a failure ends us right here.
-                    if output.finish_reason in _FAILURE_CODES:
+                    if output.finish_reason in FAILURE_CODES:
                         status = UsageRecord.Status.FAILED
-                        error_code = _FAILURE_CODES[output.finish_reason]
+                        error_code = FAILURE_CODES[output.finish_reason]
                     yield ChoiceOutput(index * self.choices_per_request + output.index, output)
             if status != UsageRecord.Status.FAILED:
                 status, error_code = UsageRecord.Status.COMPLETED, ""
@@ -206,7 +268,14 @@ class Execution:
             status, error_code = UsageRecord.Status.FAILED, "server_error"
             raise
         finally:
+            if self._failure is not None:
+                status, error_code = UsageRecord.Status.FAILED, self._failure
             await self.finish(status, error_code=error_code)
+
+    def fail(self, error_code: str) -> None:
+        """Record that the response failed on the server's side while its outputs were being
+        read (a bug formatting them): the usage row says failed, not cancelled."""
+        self._failure = error_code
 
     def _account(self, output: GenerationOutput) -> None:
         if output.token_ids and self._first_token_ms is None:
@@ -261,8 +330,11 @@ class Execution:
                     note_prompt(index, item)
                     yield index, item
         finally:
+            # Wait for the cancelled pumps: a stream must not be closed while its pump is still
+            # inside it (each would log "asynchronous generator is already running").
             for task in pumps:
                 task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     def _on_request_task_done(self, _task: asyncio.Task) -> None:
         if not self._finished:
@@ -271,6 +343,7 @@ class Execution:
             )
 
     async def finish(self, status: str, *, error_code: str = "") -> None:
+        """End the execution once: never raises (it runs at the end of every response)."""
         if self._finished:
             return
         self._finished = True
@@ -278,26 +351,20 @@ class Execution:
         await asyncio.shield(self._finish(status, error_code))
 
     async def _finish(self, status: str, error_code: str) -> None:
-        client = get_engine_client()
-        for request, num_open in zip(self.requests, self._open_choices, strict=True):
-            if not num_open:
-                continue
-            try:
-                await client.abort(request.request_id)
-            except Exception:
-                logger.exception("abort of %s failed", request.request_id)
+        # Closing a stream that is still open aborts its request in the engine (once).
         for stream in self._streams:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 try:
                     await aclose()
                 except Exception:
-                    logger.exception("closing an engine stream failed")
+                    logger.exception("closing an engine stream of %s failed", self.request_id)
         # The usage row first: a limiter re-seeding its budget from the database in between
         # then counts this request twice (safe) rather than not at all.
-        try:
-            if self._usage_id is not None:
-                await sync_to_async(usage_finish)(
+        if self._usage_id is not None:
+            await self._finish_usage(
+                functools.partial(
+                    usage_finish,
                     record_id=self._usage_id,
                     status=status,
                     prompt_tokens=self.num_prompt_tokens,
@@ -306,11 +373,26 @@ class Execution:
                     time_to_first_token_ms=self._first_token_ms,
                     error_code=error_code,
                 )
-        finally:
-            if self._admission is not None:
-                await self._admission.release(
-                    used_tokens=self.num_prompt_tokens + self.num_completion_tokens
-                )
+            )
+        await self._release(used_tokens=self.num_prompt_tokens + self.num_completion_tokens)
+
+    async def _finish_usage(self, write: Callable[[], bool]) -> None:
+        try:
+            await sync_to_async(write)()
+        except Exception:
+            logger.exception("usage row of %s not finished; retrying", self.request_id)
+            task = asyncio.ensure_future(_retry_usage(write, self.request_id))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+
+    async def _release(self, *, used_tokens: int) -> None:
+        if self._admission is None:
+            return
+        try:
+            await self._admission.release(used_tokens=used_tokens)
+        except Exception:
+            # The reservation lapses on its own (tpm window, parallel lease).
+            logger.exception("limiter release of %s failed", self.request_id)
 
     def usage(self) -> dict:
         return {
@@ -319,3 +401,15 @@ class Execution:
             "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
         }
+
+
+async def _retry_usage(write: Callable[[], bool], request_id: str) -> None:
+    for delay in USAGE_RETRY_DELAYS_S:
+        await asyncio.sleep(delay)
+        try:
+            await sync_to_async(write)()
+            logger.info("usage row of %s finished on a retry", request_id)
+            return
+        except Exception as exc:
+            logger.warning("usage row of %s still not finished: %s", request_id, exc)
+    logger.error("usage row of %s left in progress for the start-up sweep", request_id)

@@ -133,3 +133,64 @@ def test_error_responses_of_a_limited_key_carry_rate_limit_headers(
         assert response.status_code == status
         assert response.headers["x-ratelimit-limit-requests"] == "100"
         assert response.headers["x-ratelimit-limit-tokens"] == "100000"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tpm_below_the_context_admits_requests_without_max_tokens(
+    live_server_url, make_key, tiny_models, stream
+):
+    """max_tokens omitted (the SDK default) asks for the rest of the 4096-token context; a key
+    with tpm 300 gets what its window has left, and the reply stops there."""
+    key = make_key(tpm=300)
+    client = client_for(live_server_url, key)
+    kwargs = {"model": TINY, "messages": MESSAGES, "extra_body": {"ignore_eos": True}}
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+        )
+        usage = chunks[-1].usage
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        usage, finish = reply.usage, reply.choices[0].finish_reason
+    assert finish == "length"
+    assert usage.total_tokens == 300
+    row = UsageRecord.objects.get(status=UsageRecord.Status.COMPLETED)
+    assert row.reserved_tokens == 300 and row.prompt_tokens + row.completion_tokens == 300
+    # The window is full now: the next request is refused, not cut to nothing.
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(**kwargs)
+    assert caught.value.code == "rate_limit_exceeded"
+
+
+def test_a_budget_below_one_context_is_not_exhausted(live_server_url, make_key, tiny_models):
+    key = make_key(budget_tokens=250)
+    client = client_for(live_server_url, key)
+    first = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, max_tokens=10, extra_body={"ignore_eos": True}
+    )
+    rest = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, n=2, extra_body={"ignore_eos": True}
+    )
+    assert [c.finish_reason for c in rest.choices] == ["length", "length"]
+    assert first.usage.total_tokens + rest.usage.total_tokens <= 250
+    assert rest.usage.total_tokens >= 250 - first.usage.total_tokens - 1  # n=2 splits evenly
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model=TINY, messages=MESSAGES)
+    assert caught.value.code == "insufficient_quota"
+
+
+def test_a_limited_key_is_refused_before_its_prompt_is_rendered(
+    live_server_url, make_key, tiny_models
+):
+    key = make_key(rpm=1)
+    client = client_for(live_server_url, key)
+    client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=1)
+    # Rendered, this prompt would be a 400 (it overflows the context): the 429 comes first.
+    too_long = [{"role": "user", "content": "apple " * 5000}]
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model=TINY, messages=too_long, max_tokens=1)
+    assert caught.value.code == "rate_limit_exceeded"
+    assert UsageRecord.objects.filter(status=UsageRecord.Status.REJECTED).count() == 1

@@ -1,20 +1,26 @@
 """Execution's accounting holds on the awkward paths: a client that leaves while its usage row
-is being written still gets exactly one finished row and its limiter slot back."""
+is being written still gets exactly one finished row and its limiter slot back; a usage row the
+database refuses does not hang the stream and is not lost; several prompts left early close
+cleanly, each aborted once."""
 
 import asyncio
 import time
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import OperationalError
 
 from accounts import limits
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
 from engine.protocol import GenerationOutput, GenerationRequest, SamplingParams
-from inference.api.openai_format import SSE_DONE, aggregate, chat_chunks, chat_completion_body
+from inference.api.common import ending_stream
+from inference.api.openai_format import SSE_DONE, aggregate, chat_chunks
 from inference.errors import APIError
-from inference.models import UsageRecord
+from inference.models import ModelEntry, UsageRecord
 from inference.services import execution as execution_module
 from inference.services.execution import Execution
+from inference.services.generation import Generation
+from tests.engine.conftest import eventually
 
 
 def make_key():
@@ -56,18 +62,25 @@ async def test_cancel_while_the_usage_row_is_written(monkeypatch):
 
 
 class FakeEngine:
-    """Streams fixed outputs; records aborts."""
+    """Streams fixed outputs (the same for every request); records which streams were closed
+    before their end (what aborts a request in the real client)."""
 
-    def __init__(self, outputs):
+    def __init__(self, outputs, *, hold: asyncio.Event | None = None):
         self.outputs = outputs
-        self.aborted = []
+        self.hold = hold
+        self.closed_early = []
 
     async def generate(self, request):
-        for output in self.outputs:
-            yield output
-
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
+        finished = False
+        try:
+            for output in self.outputs:
+                yield output
+                if self.hold is not None:
+                    await self.hold.wait()
+            finished = True
+        finally:
+            if not finished:
+                self.closed_early.append(request.request_id)
 
 
 def engine_failing_with(reason):
@@ -81,19 +94,39 @@ def engine_failing_with(reason):
     )
 
 
-async def start_execution(monkeypatch, engine, request_id):
+def engine_finishing():
+    return FakeEngine(
+        [
+            GenerationOutput(index=0, text="Hel", token_ids=(1,), num_prompt_tokens=3),
+            GenerationOutput(
+                index=0, text="lo", token_ids=(2,), finish_reason="length", num_prompt_tokens=3
+            ),
+        ]
+    )
+
+
+async def start_generation(monkeypatch, engine, request_id, *, num_prompts=1):
     monkeypatch.setattr(execution_module, "get_engine_client", lambda: engine)
     api_key = await sync_to_async(make_key)()
-    request = GenerationRequest(request_id, "m", (1, 2, 3), SamplingParams(max_tokens=4))
+    requests = [
+        GenerationRequest(f"{request_id}-{i}", "m", (1, 2, 3), SamplingParams(max_tokens=4))
+        for i in range(num_prompts)
+    ]
     execution = Execution(
         api_key=api_key,
         model="m",
         endpoint="chat.completions",
         request_id=request_id,
-        requests=[request],
+        requests=requests,
     )
     await execution.start()
-    return execution
+    return Generation(execution, ModelEntry(name="m"))
+
+
+async def streamed(generation) -> list[bytes]:
+    chunks = chat_chunks(generation, completion_id="c", created=0, include_usage=True)
+    async with asyncio.timeout(10):  # a stream that never ends fails the test
+        return [c async for c in ending_stream(chunks)]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -101,13 +134,8 @@ async def start_execution(monkeypatch, engine, request_id):
     ("reason", "code"), [("error", "engine_error"), ("abort", "engine_aborted")]
 )
 async def test_engine_failure_mid_stream_is_recorded_as_failed(monkeypatch, reason, code):
-    execution = await start_execution(monkeypatch, engine_failing_with(reason), f"req_s{reason}")
-    chunks = [
-        c
-        async for c in chat_chunks(
-            execution, completion_id="c", created=0, model="m", include_usage=True
-        )
-    ]
+    generation = await start_generation(monkeypatch, engine_failing_with(reason), f"req_s{reason}")
+    chunks = await streamed(generation)
     assert b'"error"' in chunks[-1]
     assert SSE_DONE not in chunks
     row = await sync_to_async(UsageRecord.objects.get)(request_id=f"req_s{reason}")
@@ -121,12 +149,66 @@ async def test_engine_failure_mid_stream_is_recorded_as_failed(monkeypatch, reas
 async def test_engine_failure_non_streamed_is_a_500_and_recorded_as_failed(
     monkeypatch, reason, code
 ):
-    execution = await start_execution(monkeypatch, engine_failing_with(reason), f"req_n{reason}")
-    choices = await aggregate(execution, 1)
+    generation = await start_generation(monkeypatch, engine_failing_with(reason), f"req_n{reason}")
     with pytest.raises(APIError) as caught:
-        chat_completion_body(
-            execution, choices, completion_id="c", created=0, model="m", want_logprobs=False
-        )
+        await aggregate(generation)
     assert caught.value.status == 500
     row = await sync_to_async(UsageRecord.objects.get)(request_id=f"req_n{reason}")
     assert (row.status, row.error_code) == ("failed", code)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_usage_row_the_database_refuses_neither_hangs_the_stream_nor_is_lost(
+    monkeypatch,
+):
+    real_finish = execution_module.usage_finish
+    attempts = []
+
+    def locked_twice(**kwargs):
+        attempts.append(kwargs["status"])
+        if len(attempts) <= 2:
+            raise OperationalError("database is locked")
+        return real_finish(**kwargs)
+
+    monkeypatch.setattr(execution_module, "usage_finish", locked_twice)
+    monkeypatch.setattr(execution_module, "USAGE_RETRY_DELAYS_S", (0.05, 0.05, 0.05))
+    generation = await start_generation(monkeypatch, engine_finishing(), "req_locked")
+    chunks = await streamed(generation)
+    assert chunks[-1] == SSE_DONE  # the client got its whole response, and its end
+    await eventually(lambda: len(attempts) >= 3)
+    row = await sync_to_async(UsageRecord.objects.get)(request_id="req_locked")
+    assert (row.status, row.completion_tokens) == ("completed", 2)
+    # The limiter slot came back at once (max_parallel=1): the next request is admitted.
+    admission = await limits.admit(generation.execution.api_key, reserved_tokens=1)
+    await admission.release(used_tokens=0)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_error_part_way_through_a_stream_still_ends_it(monkeypatch):
+    generation = await start_generation(monkeypatch, engine_finishing(), "req_broken")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a formatting bug")
+
+    monkeypatch.setattr("inference.api.openai_format._chat_chunk", broken)
+    chunks = await streamed(generation)
+    assert len(chunks) == 1 and b'"error"' in chunks[0] and b"server_error" in chunks[0]
+    row = await sync_to_async(UsageRecord.objects.get)(request_id="req_broken")
+    assert (row.status, row.error_code) == ("failed", "server_error")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_several_prompts_left_early_close_cleanly_and_abort_once(monkeypatch, caplog):
+    hold = asyncio.Event()  # every stream stalls after its first output
+    engine = FakeEngine(
+        [GenerationOutput(index=0, text=t, token_ids=(1,), num_prompt_tokens=3) for t in "abc"],
+        hold=hold,
+    )
+    generation = await start_generation(monkeypatch, engine, "req_multi", num_prompts=3)
+    async with generation.deltas() as deltas:
+        await anext(deltas)  # then the client leaves
+    assert sorted(engine.closed_early) == ["req_multi-0", "req_multi-1", "req_multi-2"]
+    errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert not errors, [r.getMessage() for r in errors]
+    row = await sync_to_async(UsageRecord.objects.get)(request_id="req_multi")
+    assert row.status == "cancelled"

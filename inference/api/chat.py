@@ -1,0 +1,114 @@
+"""POST /v1/chat/completions: validate → generation service → format."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+
+from engine.protocol import PromptInput
+from inference.api import openai_format as fmt
+from inference.api.common import (
+    authenticate,
+    json_response,
+    parse_json_body,
+    streaming_response,
+    validate,
+)
+from inference.api.serializers import ChatCompletionSerializer, MessageError, normalize_messages
+from inference.errors import APIError
+from inference.services.generation import GenerationCall, generation_start
+
+# Body fields that are SamplingParams fields of the same name.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "seed",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+)
+
+
+def tools_for_template(data: dict[str, Any]) -> tuple[dict, ...] | None:
+    """The tools the chat template should see. Forcing a call needs tool-call parsing, which
+    Orchard does not do yet, so only "auto" (the default) and "none" are accepted."""
+    tools = data.get("tools")
+    choice = data.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise APIError(
+            400,
+            "tool_choice may be 'auto' or 'none' on this server: forcing a tool call is not "
+            "supported yet.",
+            param="tool_choice",
+        )
+    if not tools or choice == "none":
+        return None
+    return tuple(tools)
+
+
+def chat_call(data: dict[str, Any]) -> GenerationCall:
+    try:
+        messages = normalize_messages(data["messages"])
+    except MessageError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
+    prompt = PromptInput(
+        messages=tuple(messages),
+        tools=tools_for_template(data),
+        chat_template_kwargs=data.get("chat_template_kwargs") or {},
+    )
+    sampling = {name: data.get(name) for name in SAMPLING_FIELDS}
+    sampling.update(
+        max_tokens=data.get("max_completion_tokens") or data.get("max_tokens"),
+        logprobs=bool(data.get("logprobs")),
+        top_logprobs=data.get("top_logprobs"),
+        json_mode=(data.get("response_format") or {}).get("type") == "json_object",
+    )
+    return GenerationCall(
+        endpoint="chat.completions",
+        model=data["model"],
+        prompts=(prompt,),
+        prompt_param="messages",
+        sampling=sampling,
+    )
+
+
+@csrf_exempt
+@require_POST
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    api_key = await authenticate(request)
+    data = validate(ChatCompletionSerializer, parse_json_body(request))
+    generation = await generation_start(
+        api_key=api_key, request_id=request.orchard_request_id, call=chat_call(data)
+    )
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if data.get("stream"):
+        chunks = fmt.chat_chunks(
+            generation,
+            completion_id=completion_id,
+            created=created,
+            include_usage=bool((data.get("stream_options") or {}).get("include_usage")),
+        )
+        return streaming_response(chunks, generation.headers)
+    choices = await fmt.aggregate(generation)
+    body = fmt.chat_completion_body(
+        generation,
+        choices,
+        completion_id=completion_id,
+        created=created,
+        want_logprobs=bool(data.get("logprobs")),
+    )
+    return json_response(body, generation.headers)

@@ -1,0 +1,113 @@
+"""What every /v1 endpoint shares before and after the generation service: the key, the body,
+its serializer, and the response objects (JSON, or an SSE stream that always ends)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
+from rest_framework import serializers
+
+from accounts.authentication import AuthenticationError, authenticate_header
+from accounts.models import ApiKey
+from inference.api import jsonbody
+from inference.errors import APIError
+from inference.services.output import GenerationFailed
+
+logger = logging.getLogger(__name__)
+
+ERROR_UNPARSABLE = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using "
+    "your HTTP library correctly.)"
+)
+ERROR_STREAM_FAILED = "The server had an error while streaming this response."
+
+
+async def authenticate(request: HttpRequest) -> ApiKey:
+    try:
+        api_key = await sync_to_async(authenticate_header)(request.headers.get("Authorization"))
+    except AuthenticationError as exc:
+        raise APIError(401, exc.message, code=exc.code) from None
+    request.orchard_api_key = api_key  # for the middleware's x-ratelimit-* headers
+    return api_key
+
+
+def parse_json_body(request: HttpRequest) -> dict[str, Any]:
+    try:
+        body = request.body
+    except RequestDataTooBig:
+        raise APIError(413, "Request body too large.", code="request_too_large") from None
+    try:
+        data = jsonbody.loads(body)
+    except jsonbody.BodyError as exc:
+        raise APIError(400, f"{ERROR_UNPARSABLE} {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    return data
+
+
+def validate(serializer_class: type[serializers.Serializer], data: dict) -> dict[str, Any]:
+    serializer = serializer_class(data=data)
+    if not serializer.is_valid():
+        param, message = _first_error(serializer.errors)
+        raise APIError(400, f"Invalid '{param}': {message}", param=param)
+    return serializer.validated_data
+
+
+def _first_error(errors: Any, path: str = "") -> tuple[str, str]:
+    if isinstance(errors, dict):
+        key, value = next(iter(errors.items()))
+        return _first_error(value, f"{path}.{key}" if path else str(key))
+    if isinstance(errors, list):
+        if isinstance(errors[0], dict | list):
+            return _first_error(errors[0], path)
+        return path, str(errors[0])
+    return path, str(errors)
+
+
+def json_response(body: dict[str, Any], headers: dict[str, str]) -> JsonResponse:
+    response = JsonResponse(body)
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_event(message: str) -> bytes:
+    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+
+
+async def ending_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`events`, then the end of the response, whatever happens: a failed generation or any
+    error part-way is one error event and a closed response, never a hang (the usage row and
+    the engine are settled by the generation itself)."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except asyncio.CancelledError:
+        raise
+    except GenerationFailed as exc:
+        yield error_event(exc.message)
+    except Exception:
+        logger.exception("a streamed response failed part-way")
+        yield error_event(ERROR_STREAM_FAILED)
+
+
+def streaming_response(events: AsyncIterator[bytes], headers: dict[str, str]):
+    response = StreamingHttpResponse(ending_stream(events), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    for name, value in headers.items():
+        response[name] = value
+    return response

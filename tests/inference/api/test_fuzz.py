@@ -1,0 +1,200 @@
+"""A fuzz of malformed bodies on every /v1 endpoint: deep nesting, huge and non-finite numbers,
+wrong types in every field, truncated and non-UTF-8 bodies, odd model ids. No 5xx, every error
+an OpenAI error object, and the server serves a normal request afterwards.
+
+Deterministic: the same mutations every run, so a failure names its body.
+"""
+
+import json
+import random
+
+import httpx
+import pytest
+
+from tests.inference.conftest import TINY
+
+# Both size fields, so that a mutation of one leaves the reply short (the other bounds it).
+CHAT = {
+    "model": TINY,
+    "messages": [{"role": "user", "content": "Hi"}],
+    "max_tokens": 2,
+    "max_completion_tokens": 2,
+    "temperature": 0,
+}
+COMPLETION = {"model": TINY, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+
+# Raw JSON text for values Python's json.dumps cannot write (or writes as non-JSON).
+DEEP = "[" * 5000 + "]" * 5000
+NESTED_OBJECTS = '{"a":' * 100 + "1" + "}" * 100
+HUGE_INT = "9" * 5000
+VALUES = [
+    "null",
+    "true",
+    "0",
+    "-1",
+    "1.5",
+    "1e308",
+    "-1e308",
+    "1e400",
+    "-1e400",
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    HUGE_INT,
+    "-" + HUGE_INT,
+    str(2**63),
+    str(2**64 + 1),
+    '""',
+    '"x"',
+    json.dumps("\u0000\ud800" * 3),
+    json.dumps("a" * 20000),
+    "[]",
+    "[1, 2, 3]",
+    '["a", "b"]',
+    "[[1, 2], [3]]",
+    "[null]",
+    "{}",
+    '{"a": 1}',
+    '{"type": "function"}',
+    DEEP,
+    NESTED_OBJECTS,
+]
+CHAT_FIELDS = [
+    "model",
+    "messages",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "user",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+]
+COMPLETION_FIELDS = [
+    "model",
+    "prompt",
+    "echo",
+    "logprobs",
+    "suffix",
+    "best_of",
+    "n",
+    "stream",
+    "stop",
+    "stop_token_ids",
+    "max_tokens",
+    "seed",
+    "logit_bias",
+]
+MESSAGE_VARIANTS = [
+    '[{"role": "user"}]',
+    '[{"role": "user", "content": 5}]',
+    '[{"role": "user", "content": [{"type": "text"}]}]',
+    '[{"role": "user", "content": [{"type": "text", "text": 5}]}]',
+    '[{"role": "user", "content": [5]}]',
+    '[{"role": "assistant", "tool_calls": 5}]',
+    '[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "'
+    + "[" * 3000
+    + '"}}]}]',
+    '[{"role": "tool", "content": "x"}]',
+    '[{"role": "user", "content": "x", "name": 5}]',
+    '[{"role": "user", "content": ' + DEEP + "}]",
+]
+
+
+def bodies(base: dict, fields: list[str]) -> list[str]:
+    """Every field of `base` set to every value, plus unknown fields and broken documents."""
+    out = []
+    for name in fields:
+        for value in VALUES:
+            rest = json.dumps({k: v for k, v in base.items() if k != name})
+            out.append(
+                rest[:-1] + f', "{name}": {value}}}' if rest != "{}" else f'{{"{name}": {value}}}'
+            )
+    text = json.dumps(base)
+    out += [text[:cut] for cut in range(1, len(text), max(1, len(text) // 12))]
+    out += [
+        "",
+        "null",
+        "[]",
+        '"text"',
+        "5",
+        DEEP,
+        text + "}",
+        "{" + text,
+        '{"model": ' + DEEP + "}",
+    ]
+    return out
+
+
+def check(response: httpx.Response, body: str) -> None:
+    assert response.status_code < 500, (response.status_code, body[:300], response.text[:300])
+    if response.status_code >= 400:
+        assert response.headers["content-type"].startswith("application/json"), body[:300]
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, body[:300]
+        assert isinstance(error["message"], str) and error["message"]
+
+
+@pytest.fixture
+def http(live_server_url, api_key):
+    with httpx.Client(
+        base_url=live_server_url,
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+        timeout=60,
+    ) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("path", "base", "fields"),
+    [
+        ("/v1/chat/completions", CHAT, CHAT_FIELDS),
+        ("/v1/completions", COMPLETION, COMPLETION_FIELDS),
+    ],
+)
+def test_malformed_bodies_never_give_a_5xx(http, path, base, fields):
+    cases = bodies(base, fields)
+    if path == "/v1/chat/completions":
+        rest = json.dumps({k: v for k, v in base.items() if k != "messages"})
+        cases += [rest[:-1] + f', "messages": {m}}}' for m in MESSAGE_VARIANTS]
+    statuses = []
+    for body in cases:
+        response = http.post(path, content=body.encode("utf-8", errors="surrogatepass"))
+        check(response, body)
+        statuses.append(response.status_code)
+    for raw in (b"\xff\xfe{", b'{"model": "\xff"}', b"\x00" * 64):
+        check(http.post(path, content=raw), repr(raw))
+    assert statuses.count(400) > len(cases) // 2  # the fuzz really reached validation
+    assert 200 in statuses  # ...and some mutations are valid requests that ran
+    # The server is still whole.
+    assert http.post(path, json=base).status_code == 200
+
+
+def test_odd_model_ids_and_methods(http):
+    rng = random.Random(5)
+    ids = ["", "%00", "a" * 5000, "..%2F..%2Fetc%2Fpasswd", "x/y/z", "%ff%fe", TINY + "%20"]
+    ids += ["".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(20)) for _ in range(5)]
+    for model_id in ids:
+        check(http.get(f"/v1/models/{model_id}"), model_id)
+    for method in ("PUT", "DELETE", "PATCH"):
+        for path in ("/v1/models", "/v1/chat/completions", "/v1/completions"):
+            check(http.request(method, path, content=b"{}"), f"{method} {path}")
+    check(http.get("/v1/models", params={"limit": "[" * 2000}), "query")
