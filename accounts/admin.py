@@ -284,7 +284,6 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
             return "revoked"
         return "expired" if obj.is_expired else "active"
 
-    @admin.display(description="models")
     @admin.display(description="limits")
     def limits(self, obj: ApiKey) -> str:
         parts = [
@@ -299,6 +298,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
         ]
         return " · ".join(parts) or "none"
 
+    @admin.display(description="models")
     def models(self, obj: ApiKey) -> str:
         return "all" if obj.all_models else ", ".join(obj.allowed_models)
 

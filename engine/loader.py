@@ -22,12 +22,10 @@ from mlx_lm.utils import load_model as mlx_load_model
 from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from engine.model_config import context_length as config_context_length
 from engine.protocol import ModelInfo
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CONTEXT_LENGTH = 4096
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ def load_model(
     tokenizer, source = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     info = ModelInfo(
         name=name or path.name,
-        context_length=context_length or _context_length(config),
+        context_length=context_length or config_context_length(config),
         vocab_size=_vocab_size(model, config),
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         supports_tools=bool(getattr(tokenizer, "has_tool_calling", False)),
@@ -91,15 +89,6 @@ def _tokenizer_from_file(path: Path) -> PreTrainedTokenizerFast:
         chat_template=config.get("chat_template"),
         **special,
     )
-
-
-def _context_length(config: Mapping[str, Any]) -> int:
-    sources = [config, config.get("text_config") or {}]
-    for source in sources:
-        for key in _CONTEXT_KEYS:
-            if isinstance(source.get(key), int):
-                return source[key]
-    return DEFAULT_CONTEXT_LENGTH
 
 
 def _vocab_size(model: nn.Module, config: Mapping[str, Any]) -> int:

@@ -42,7 +42,12 @@ class OpenAIApiMiddleware:
         ):
             # Responses that did not go through admission (errors, /v1/models) show the key's
             # current standing; generated ones already carry what admission computed.
-            for name, value in (await limits.current_headers(api_key)).items():
+            try:
+                headers = await limits.current_headers(api_key)
+            except limits.LimiterUnavailable as exc:
+                logger.warning("no x-ratelimit-* headers: %s", exc)
+                headers = {}
+            for name, value in headers.items():
                 response[name] = value
         return response
 

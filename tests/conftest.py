@@ -4,6 +4,8 @@ test database) and registered models for the API tests."""
 import engine  # noqa: F401  (OpenBLAS before anything imports mlx)
 
 # isort: split
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,30 @@ def smollm2_path() -> Path:
     if not (folder / "config.json").exists():
         convert_gguf(default_gguf_path(), folder, dtype="float32")
     return folder
+
+
+@pytest.fixture
+def silent_redis():
+    """A TCP server that accepts connections and never answers: a stalled Redis."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted = []
+    stop = threading.Event()
+
+    def accept():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+    stop.set()
+    thread.join()
+    for conn in accepted:
+        conn.close()
+    server.close()

@@ -125,6 +125,7 @@ class Execution:
     _admission: limits.Admission | None = None
     _usage_id: int | None = None
     _streams: list[AsyncIterator[GenerationOutput]] = field(default_factory=list)
+    _pumps: list[asyncio.Task] = field(default_factory=list)  # reading several streams at once
     _primed: list[GenerationOutput | None] = field(default_factory=list)
     _open_choices: list[int] = field(default_factory=list)
     _started_at: float = field(default_factory=time.monotonic)
@@ -317,8 +318,8 @@ class Execution:
                 return
             await queue.put((index, done))
 
-        pumps = [asyncio.create_task(pump(i)) for i in range(len(self._streams))]
-        remaining = len(pumps)
+        self._pumps = [asyncio.create_task(pump(i)) for i in range(len(self._streams))]
+        remaining = len(self._pumps)
         try:
             while remaining:
                 index, item = await queue.get()
@@ -330,11 +331,15 @@ class Execution:
                     note_prompt(index, item)
                     yield index, item
         finally:
-            # Wait for the cancelled pumps: a stream must not be closed while its pump is still
-            # inside it (each would log "asynchronous generator is already running").
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+            await self._stop_pumps()
+
+    async def _stop_pumps(self) -> None:
+        # A stream must not be closed while its pump is still inside it: that raises (and
+        # logged, once per stream) "aclose(): asynchronous generator is already running".
+        pumps, self._pumps = self._pumps, []
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
     def _on_request_task_done(self, _task: asyncio.Task) -> None:
         if not self._finished:
@@ -351,7 +356,10 @@ class Execution:
         await asyncio.shield(self._finish(status, error_code))
 
     async def _finish(self, status: str, error_code: str) -> None:
-        # Closing a stream that is still open aborts its request in the engine (once).
+        # The request task may end (a client gone while a chunk was being sent) with the
+        # outputs still suspended mid-stream: stop their readers first. Then closing a stream
+        # that is still open aborts its request in the engine (once).
+        await self._stop_pumps()
         for stream in self._streams:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:

@@ -437,35 +437,6 @@ async def test_precheck_refuses_what_no_size_could_admit_and_reserves_nothing(
     assert headers["x-ratelimit-remaining-requests"] == "2"
 
 
-@pytest.fixture
-def silent_redis():
-    """A TCP server that accepts connections and never answers: a stalled Redis."""
-    import socket
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    accepted = []
-    stop = threading.Event()
-
-    def accept():
-        server.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                accepted.append(server.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"redis://127.0.0.1:{server.getsockname()[1]}/0"
-    stop.set()
-    thread.join()
-    for conn in accepted:
-        conn.close()
-    server.close()
-
-
 async def test_a_redis_that_does_not_answer_raises_limiter_unavailable(silent_redis):
     limiter = RedisLimiter(url=silent_redis, timeout_seconds=0.3)
     api_key = make_limited_key(rpm=10)

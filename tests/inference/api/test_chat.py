@@ -332,3 +332,30 @@ def test_penalties_work_and_leave_other_streams_alone(client, model):
         assert reply.choices[0].finish_reason in ("length", "stop")
     rest = [chunk for chunk in long if chunk.choices]
     assert first.choices and rest[-1].choices[0].finish_reason == "length"
+
+
+def test_concurrent_streams_all_finish_and_are_all_counted(live_server_url, api_key):
+    """The live server reaches its SQLite database through DATABASE_URL (as users configure it):
+    twelve streams opening and finishing rows at once must all succeed."""
+    import asyncio
+
+    body = {**{k: v for k, v in GREEDY.items() if k != "extra_body"}, "ignore_eos": True}
+    body.update(model=TINY, messages=MESSAGES, stream=True, max_tokens=8)
+
+    async def one(client: httpx.AsyncClient) -> bool:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        return response.status_code == 200 and lines[-1] == "data: [DONE]"
+
+    async def burst() -> list[bool]:
+        async with httpx.AsyncClient(
+            base_url=live_server_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+        ) as client:
+            return await asyncio.gather(*(one(client) for _ in range(12)))
+
+    assert all(asyncio.run(burst()))
+    deadline = time.monotonic() + 10
+    while UsageRecord.objects.filter(status=UsageRecord.Status.COMPLETED).count() < 12:
+        assert time.monotonic() < deadline, "some usage rows were not finished"
+        time.sleep(0.05)
+    assert not UsageRecord.objects.exclude(status=UsageRecord.Status.COMPLETED).exists()

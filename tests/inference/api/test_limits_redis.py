@@ -6,6 +6,7 @@ import asyncio
 import httpx
 import pytest
 import redis
+from asgiref.sync import sync_to_async
 
 from inference.models import UsageRecord
 from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
@@ -82,3 +83,38 @@ def test_max_parallel_holds_across_two_processes(two_servers, make_key, tiny_mod
     assert len(completed) == admitted
     assert {r.request_id for r in completed}  # rows from both processes land in one database
     assert peak_overlap(completed) <= 2
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_redis_that_does_not_answer_is_a_503_not_a_hang(silent_redis, settings):
+    """In process (the limiter follows settings.REDIS_URL): a key with limits needs Redis."""
+    from django.test import AsyncClient
+
+    from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
+    from inference.services.registry import model_register
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    def setup() -> str:
+        user = user_get_or_create(username="stalled")
+        team, _ = team_membership_ensure(user=user, team_name="stalled")
+        model_register(name=TINY, path=build_tiny_model(model_type="qwen3", tokenizer="qwen3"))
+        return api_key_create(user=user, team=team, rpm=100)[1]
+
+    raw = await sync_to_async(setup)()
+    settings.REDIS_URL = silent_redis
+    client = AsyncClient()
+    auth = {"Authorization": f"Bearer {raw}"}
+    async with asyncio.timeout(15):
+        response = await client.post(
+            "/v1/chat/completions",
+            {"model": TINY, "messages": MESSAGES, "max_tokens": 1},
+            content_type="application/json",
+            headers=auth,
+        )
+        models = await client.get("/v1/models", headers=auth)
+    assert response.status_code == 503, response.content
+    error = response.json()["error"]
+    assert error["code"] == "limits_unavailable" and error["type"] == "server_error"
+    assert models.status_code == 200 and "x-ratelimit-limit-requests" not in models.headers
+    row = await UsageRecord.objects.aget()
+    assert (row.status, row.error_code) == ("rejected", "limits_unavailable")

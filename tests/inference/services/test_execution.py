@@ -212,3 +212,39 @@ async def test_several_prompts_left_early_close_cleanly_and_abort_once(monkeypat
     assert not errors, [r.getMessage() for r in errors]
     row = await sync_to_async(UsageRecord.objects.get)(request_id="req_multi")
     assert row.status == "cancelled"
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_request_task_cancelled_outside_its_stream_closes_every_stream_once(
+    monkeypatch, caplog
+):
+    """The client leaves while the server is sending a chunk: the task ends with the outputs
+    suspended mid-stream, their readers still inside the engine streams."""
+    hold = asyncio.Event()
+    engine = FakeEngine(
+        [GenerationOutput(index=0, text=t, token_ids=(1,), num_prompt_tokens=3) for t in "abc"],
+        hold=hold,
+    )
+    sending = asyncio.Event()
+    kept = []
+
+    async def request_task():
+        generation = await start_generation(monkeypatch, engine, "req_send", num_prompts=3)
+        deltas = generation.execution.outputs()
+        kept.append(deltas)  # like Django's response iterator: not closed when cancelled
+        await anext(deltas)
+        sending.set()
+        await asyncio.sleep(30)  # `await send(chunk)`, where the cancellation lands
+
+    task = asyncio.create_task(request_task())
+    await sending.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await eventually(lambda: len(engine.closed_early) == 3)
+    assert sorted(engine.closed_early) == ["req_send-0", "req_send-1", "req_send-2"]
+    row = await sync_to_async(UsageRecord.objects.get)(request_id="req_send")
+    assert row.status == "cancelled"
+    errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert not errors, [r.getMessage() for r in errors]
+    await kept[0].aclose()

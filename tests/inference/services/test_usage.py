@@ -158,6 +158,31 @@ def test_exactly_one_of_concurrent_finishes_wins():
     _assert_roll_ups_match_rows()
 
 
+@pytest.mark.django_db(transaction=True)
+def test_many_rows_finished_at_once_all_land():
+    """Concurrent writers, each in its own connection, as under daphne (a thread per request):
+    on SQLite this fails with "database is locked" unless every transaction takes the write lock
+    up front and waits for it (config/settings.py's SQLITE_OPTIONS)."""
+    api_key = ApiKeyFactory()
+    rows = [UsageRecordFactory(api_key=api_key, team=api_key.team).pk for _ in range(160)]
+    batches = iter([rows[i::8] for i in range(8)])
+    lock = threading.Lock()
+
+    def finish_batch() -> int:
+        with lock:
+            batch = next(batches)
+        return sum(
+            usage_finish(
+                record_id=pk, status=Status.COMPLETED, prompt_tokens=3, completion_tokens=2
+            )
+            for pk in batch
+        )
+
+    assert sum(_in_threads(finish_batch, num_threads=8)) == 160
+    assert DailyUsage.objects.get().num_completed == 160
+    _assert_roll_ups_match_rows()
+
+
 @pytest.mark.django_db
 def test_reject_creates_a_finished_rolled_up_row():
     api_key = ApiKeyFactory()
