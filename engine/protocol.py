@@ -167,7 +167,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # top_p 0 keeps only the most likely token (OpenAI accepts it), as top_k 1 does.
+        return self.temperature == 0.0 or self.top_p == 0.0 or self.top_k == 1
 
     def validate(self, *, vocab_size: int | None = None) -> None:
         """Check every field's range (and, given `vocab_size`, every token id): the one set of
@@ -182,8 +183,8 @@ class SamplingParams:
 
         if not 0.0 <= self.temperature <= 2.0:
             raise bad("temperature", "temperature must be between 0 and 2.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "top_p must be greater than 0 and at most 1.")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise bad("top_p", "top_p must be between 0 and 1.")
         if not 0 <= self.top_k <= MAX_INT:
             raise bad("top_k", "top_k must be 0 (disabled) or positive.")
         if not 0.0 <= self.min_p <= 1.0:

@@ -79,7 +79,7 @@ class SamplingState:
             self._key = _mix64(_mix64(params.seed & _MASK64) ^ choice_index)
         self._stop_ids = sorted(set(eos_token_ids) | set(params.stop_token_ids))
         self._bias = [(int(t), float(b)) for t, b in params.logit_bias.items() if b]
-        self._greedy = params.temperature == 0.0 or params.top_k == 1
+        self._greedy = params.greedy
         self._penalised = (
             params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0

@@ -70,8 +70,9 @@ def chat_call(data: dict[str, Any]) -> GenerationCall:
         chat_template_kwargs=data.get("chat_template_kwargs") or {},
     )
     sampling = {name: data.get(name) for name in SAMPLING_FIELDS}
+    max_tokens = data.get("max_completion_tokens")  # the newer name wins when both are sent
     sampling.update(
-        max_tokens=data.get("max_completion_tokens") or data.get("max_tokens"),
+        max_tokens=data.get("max_tokens") if max_tokens is None else max_tokens,
         logprobs=bool(data.get("logprobs")),
         top_logprobs=data.get("top_logprobs"),
         json_mode=(data.get("response_format") or {}).get("type") == "json_object",
@@ -82,6 +83,7 @@ def chat_call(data: dict[str, Any]) -> GenerationCall:
         prompts=(prompt,),
         prompt_param="messages",
         sampling=sampling,
+        param_names={} if max_tokens is None else {"max_tokens": "max_completion_tokens"},
     )
 
 

@@ -31,7 +31,7 @@ DEFAULT_MAX_TOKENS = 16
 def completion_call(data: dict[str, Any]) -> GenerationCall:
     if data.get("suffix"):
         raise APIError(400, "suffix is not supported by this server.", param="suffix")
-    if (data.get("best_of") or 1) != 1:
+    if data.get("best_of") not in (None, 1):
         raise APIError(400, "best_of is not supported by this server.", param="best_of")
     want_logprobs = data.get("logprobs") is not None
     if data.get("echo") and want_logprobs:
@@ -56,6 +56,7 @@ def completion_call(data: dict[str, Any]) -> GenerationCall:
         sampling=sampling,
         default_max_tokens=DEFAULT_MAX_TOKENS,
         echo=bool(data.get("echo")),
+        param_names={"top_logprobs": "logprobs"},
     )
 
 

@@ -70,6 +70,9 @@ class GenerationCall:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     default_max_tokens: int | None = None
     echo: bool = False  # also detokenize the prompts (`Generation.prompt_texts`)
+    # SamplingParams field -> the body field it was read from, where their names differ, so that
+    # errors name what the caller sent (e.g. "max_tokens" -> "max_completion_tokens").
+    param_names: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,7 +152,8 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
         try:
             validate_generation(request, info, prompt_param=call.prompt_param)
         except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+            param = call.param_names.get(exc.param, exc.param)
+            raise APIError(400, str(exc), param=param, code=exc.code) from None
         requests.append(request)
     prompt_texts = None
     if call.echo:

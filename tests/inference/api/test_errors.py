@@ -105,6 +105,18 @@ def test_malformed_json_and_non_object_bodies(post, tiny_models):
         ("messages", [], "messages"),
         ("messages", [{"role": "wizard", "content": "x"}], "messages[0].role"),
         ("response_format", {"type": "xml"}, "response_format"),
+        ("max_completion_tokens", 0, "max_completion_tokens"),
+        ("max_completion_tokens", -5, "max_completion_tokens"),
+        ("top_p", -0.1, "top_p"),
+        ("min_tokens", 10**9, "min_tokens"),
+        ("seed", 2**70, "seed"),
+        ("logit_bias", {"1": 500}, "logit_bias"),
+        ("logit_bias", {"one": 1}, "logit_bias"),
+        ("stop", ["x" * 1001], "stop"),
+        ("stop_token_ids", list(range(257)), "stop_token_ids"),
+        ("chat_template_kwargs", {"chat_template": "{{ 1 }}"}, "chat_template_kwargs"),
+        ("chat_template_kwargs", {"tokenize": True}, "chat_template_kwargs"),
+        ("model", 5, "model"),
     ],
 )
 def test_invalid_values_name_the_param(post, tiny_models, field, value, param):
@@ -142,6 +154,23 @@ def test_unknown_path_and_wrong_method_are_json(live_server_url, api_key):
     assert_openai_error(httpx.get(f"{live_server_url}/v1/nope", headers=headers), 404)
     response = httpx.get(f"{live_server_url}/v1/chat/completions", headers=headers)
     assert_openai_error(response, 405)
+
+
+def test_completions_logprobs_errors_name_logprobs(post, tiny_models):
+    body = {"model": TINY, "prompt": "x", "logprobs": 9, "max_tokens": 1}
+    assert_openai_error(post("completions", body), 400, param="logprobs")
+    body = {"model": TINY, "prompt": "x", "best_of": 0, "max_tokens": 1}
+    assert_openai_error(post("completions", body), 400, param="best_of")
+
+
+def test_top_p_zero_is_greedy(client):
+    greedy = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    nucleus = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, max_tokens=8, temperature=1.0, top_p=0
+    )
+    assert nucleus.choices[0].message.content == greedy.choices[0].message.content
 
 
 def test_completions_suffix_is_a_clear_400(client):
