@@ -9,7 +9,8 @@ PYTEST_ARGS ?=
 # The gateway tests run a second time on PostgreSQL (row locks and concurrency on the production
 # database). Set TEST_POSTGRES_URL= (empty) to skip that pass where no PostgreSQL runs.
 TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/orchard
-GATEWAY_TESTS := tests/accounts tests/inference/services/test_usage.py tests/inference/api/test_limits.py \
+GATEWAY_TESTS := tests/accounts tests/inference/services/test_usage.py \
+  tests/inference/services/test_registry.py tests/inference/api/test_limits.py \
   tests/inference/api/test_limits_redis.py
 
 PY := $(VENV)/bin/python

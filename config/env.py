@@ -1,5 +1,6 @@
 """The one reader of the environment. Settings modules ask here; nothing else reads os.environ."""
 
+import math
 import os
 from pathlib import Path
 
@@ -38,14 +39,18 @@ def env_int(name: str, default: int) -> int:
         raise ImproperlyConfigured(f"{name} must be an integer, not {value!r}.") from None
 
 
-def env_float(name: str, default: float) -> float:
+def env_float(name: str, default: float, *, positive: bool = False) -> float:
     value = env_str(name)
     if value is None:
         return default
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a number, not {value!r}.") from None
+    if not math.isfinite(number) or (positive and number <= 0):
+        kind = "a positive number" if positive else "a finite number"
+        raise ImproperlyConfigured(f"{name} must be {kind}, not {value!r}.")
+    return number
 
 
 def env_list(name: str, default: list[str]) -> list[str]:

@@ -142,7 +142,7 @@ ORCHARD_ENGINE = env_str("ORCHARD_ENGINE", "local")  # "local" today; "remote" w
 # them; models registered later load on their first request.
 ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", True)
 # A chat template (or tokenizer) still rendering one prompt after this is stopped with a 400.
-ORCHARD_RENDER_TIMEOUT_SECONDS = env_float("ORCHARD_RENDER_TIMEOUT_SECONDS", 10.0)
+ORCHARD_RENDER_TIMEOUT_SECONDS = env_float("ORCHARD_RENDER_TIMEOUT_SECONDS", 10.0, positive=True)
 
 LOGGING = {
     "version": 1,

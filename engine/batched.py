@@ -48,7 +48,7 @@ class BatchedEngine(EngineLoop):
                 return
             self._publish(self.scheduler.num_waiting, self.scheduler.num_running_seqs)
 
-    def describe(self, info: ModelInfo) -> ModelInfo:
+    def serving_info(self, info: ModelInfo) -> ModelInfo:
         # All choices of a request run together, so more than the batch holds could never start.
         return dataclasses.replace(info, max_choices=min(info.max_choices, self.spec.max_num_seqs))
 

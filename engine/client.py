@@ -38,10 +38,11 @@ class EngineClient(abc.ABC):
         """Where a model stands (serving, loading, its last load error), without waiting."""
 
     @abc.abstractmethod
-    def start_loading(self, spec: ModelSpec) -> None:
+    def start_loading(self, spec: ModelSpec, *, force: bool = False) -> None:
         """Begin loading a model without waiting (at web-process start, or an admin's reload,
         which retries a failed load at once); a later `ensure_model` for the same spec waits
-        for this load instead of starting another."""
+        for this load instead of starting another. `force` loads a fresh engine even when the
+        spec already serves (its files changed on disk)."""
 
     @abc.abstractmethod
     async def unload_model(self, name: str) -> None:

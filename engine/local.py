@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import weakref
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 from jinja2 import TemplateError
 
 from engine.client import EngineClient
+from engine.loop import describe
 from engine.protocol import (
     EngineStats,
     GenerationOutput,
@@ -29,7 +31,7 @@ from engine.protocol import (
     ModelStatus,
     PromptInput,
 )
-from engine.templates import apply_chat_template, with_deadline
+from engine.templates import ERROR_TIMEOUT, apply_chat_template, with_deadline
 from engine.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -60,9 +62,17 @@ class _LoopMailbox:
             queue.put_nowait(output)
 
 
+# Prompts render on threads of their own, so a burst of slow renders never holds the threads
+# the rest of the process runs blocking work on.
+RENDER_THREADS = 4
+
+
 class LocalEngineClient(EngineClient):
     def __init__(self, worker: EngineWorker | None = None):
         self.worker = worker or EngineWorker()
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=RENDER_THREADS, thread_name_prefix="orchard-render"
+        )
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox] = (
             weakref.WeakKeyDictionary()
         )
@@ -84,12 +94,12 @@ class LocalEngineClient(EngineClient):
     def model_status(self, name: str) -> ModelStatus:
         return self.worker.status(name)
 
-    def start_loading(self, spec: ModelSpec) -> None:
+    def start_loading(self, spec: ModelSpec, *, force: bool = False) -> None:
         def report(future: concurrent.futures.Future) -> None:
-            if future.exception() is not None:
+            if not future.cancelled() and future.exception() is not None:
                 logger.error("model %s could not be loaded: %s", spec.name, future.exception())
 
-        self.worker.load(spec).add_done_callback(report)
+        self.worker.load(spec, force=force).add_done_callback(report)
 
     async def unload_model(self, name: str) -> None:
         await asyncio.to_thread(self.worker.unload, name)
@@ -99,12 +109,23 @@ class LocalEngineClient(EngineClient):
     ) -> list[int]:
         tokenizer = self.worker.get(model).loaded.tokenizer
         # Tokenizers and templates only: no MLX off the engine thread.
+        loop = asyncio.get_running_loop()
         if timeout_s is None:
-            return await asyncio.to_thread(_render, tokenizer, prompt)
+            return await loop.run_in_executor(self._render_pool, _render, tokenizer, prompt)
         param = "messages" if prompt.messages is not None else "prompt"
-        return await asyncio.to_thread(
-            with_deadline, lambda: _render(tokenizer, prompt), timeout_s, param=param
+        render = loop.run_in_executor(
+            self._render_pool,
+            functools.partial(
+                with_deadline, lambda: _render(tokenizer, prompt), timeout_s, param=param
+            ),
         )
+        try:
+            # The deadline stops Python code; this stops waiting for C code that runs on.
+            return await asyncio.wait_for(asyncio.shield(render), timeout_s + 1.0)
+        except TimeoutError:
+            raise InvalidRequestError(
+                ERROR_TIMEOUT.format(seconds=timeout_s), param=param
+            ) from None
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         tokenizer = self.worker.get(model).loaded.tokenizer
@@ -146,6 +167,7 @@ class LocalEngineClient(EngineClient):
         """`shutdown` for callers without an event loop (an atexit hook): abort everything in
         flight and join each engine thread, waiting at most `timeout` seconds for each."""
         self.worker.shutdown(timeout)
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _render(tokenizer, prompt: PromptInput) -> list[int]:
@@ -162,8 +184,11 @@ def _render(tokenizer, prompt: PromptInput) -> list[int]:
             )
         except InvalidRequestError:
             raise
-        except (ValueError, TypeError, TemplateError) as exc:
-            # Templates raise on conversations they cannot render (roles out of order, ...).
+        except Exception as exc:
+            # Templates raise on conversations they cannot render (roles out of order, a range
+            # too large, recursion over a deep tool schema, ...): the caller's input, a 400.
+            if not isinstance(exc, ValueError | TypeError | TemplateError):
+                logger.warning("chat template failed with %s", describe(exc))
             raise InvalidRequestError(
                 f"The messages could not be rendered by the chat template: {exc}", param="messages"
             ) from exc

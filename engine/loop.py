@@ -174,7 +174,7 @@ class EngineLoop:
         except BaseException as exc:
             self.ready.set_exception(exc)
             return
-        self.ready.set_result(self.describe(self.loaded.info))
+        self.ready.set_result(self.serving_info(self.loaded.info))
         status, error = RequestStatus.FINISHED_ABORTED, None
         try:
             self.run()
@@ -259,7 +259,7 @@ class EngineLoop:
     def setup(self) -> None:
         """Build per-model state on the engine thread, after loading."""
 
-    def describe(self, info: ModelInfo) -> ModelInfo:
+    def serving_info(self, info: ModelInfo) -> ModelInfo:
         """The model's info as this engine serves it (what requests are validated against)."""
         return info
 

@@ -42,8 +42,14 @@ _SPECIAL_TOKEN_NAMES = frozenset(
         "additional_special_tokens",
     }
 )
+# The globals a chat template calls (Jinja's and transformers'): a variable of that name would
+# shadow them.
+_TEMPLATE_GLOBALS = frozenset(
+    {"range", "dict", "lipsum", "cycler", "joiner", "namespace", "raise_exception", "strftime_now"}
+)
 # The parameters of `apply_chat_template` itself (read from the installed transformers, so an
-# upgrade that adds one cannot open a hole), the template's own inputs, and the special tokens.
+# upgrade that adds one cannot open a hole), the template's own inputs, the special tokens and
+# the template globals. A tokenizer's own extra special-token names are added at render time.
 RESERVED_TEMPLATE_KWARGS = (
     frozenset(
         name
@@ -54,6 +60,7 @@ RESERVED_TEMPLATE_KWARGS = (
     )
     | {"messages", "conversation", "tools", "documents", "chat_template"}
     | _SPECIAL_TOKEN_NAMES
+    | _TEMPLATE_GLOBALS
 )
 
 ERROR_RESERVED = (
@@ -63,15 +70,16 @@ ERROR_NOT_A_VARIABLE = "chat_template_kwargs keys must be template variable name
 ERROR_TIMEOUT = "The prompt took longer than {seconds:g} s to render."
 
 
-def check_template_kwargs(kwargs: Mapping[str, Any]) -> None:
+def check_template_kwargs(kwargs: Mapping[str, Any], tokenizer: Any = None) -> None:
     """Raise InvalidRequestError (param chat_template_kwargs) for a key that is not a plain
-    template variable."""
+    template variable; given the `tokenizer`, its own special-token names count too."""
+    special = set(getattr(tokenizer, "special_tokens_map", None) or ()) if tokenizer else set()
     for key in kwargs:
         if not isinstance(key, str) or not _IDENTIFIER.fullmatch(key):
             raise InvalidRequestError(
                 ERROR_NOT_A_VARIABLE.format(key=key), param="chat_template_kwargs"
             )
-        if key in RESERVED_TEMPLATE_KWARGS:
+        if key in RESERVED_TEMPLATE_KWARGS or key in special:
             raise InvalidRequestError(ERROR_RESERVED.format(key=key), param="chat_template_kwargs")
 
 
@@ -88,7 +96,7 @@ def apply_chat_template(
     if not getattr(tokenizer, "has_chat_template", False):
         raise ValueError("This model has no chat template; send a plain prompt instead.")
     variables = dict(chat_template_kwargs or {})
-    check_template_kwargs(variables)
+    check_template_kwargs(variables, tokenizer)
     text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=[dict(tool) for tool in tools] if tools else None,

@@ -69,11 +69,12 @@ class EngineWorker:
         self._retired: list[EngineLoop] = []  # replaced engines, possibly still draining
         self._lock = threading.Lock()
 
-    def load(self, spec: ModelSpec) -> concurrent.futures.Future[ModelInfo]:
+    def load(self, spec: ModelSpec, *, force: bool = False) -> concurrent.futures.Future[ModelInfo]:
         """Start serving `spec` (replacing another spec of that name); resolves once it serves,
-        or with the load's exception. Retries a failed spec at once."""
+        or with the load's exception. Retries a failed spec at once; with `force`, loads a fresh
+        engine even when `spec` already serves (its files changed on disk, say)."""
         with self._lock:
-            return self._load_locked(spec)
+            return _mirror(self._load_locked(spec, force=force))
 
     def serve(self, spec: ModelSpec) -> concurrent.futures.Future[ModelInfo]:
         """The info a request for `spec.name` is validated against, without waiting for a
@@ -88,22 +89,27 @@ class EngineWorker:
                 failure is not None and failure.spec == spec and time.monotonic() < failure.retry_at
             )
             if current is not None and current.is_serving:
-                if current.spec != spec and not recent:
+                if current.spec == spec:
+                    # The registry is back on the serving spec: an older failure is moot.
+                    self._failures.pop(spec.name, None)
+                elif not recent:
                     self._load_locked(spec)
                 return _resolved(current.info)
             if recent:
                 future: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
                 future.set_exception(ModelLoadError(failure.error))
                 return future
-            return self._load_locked(spec)
+            return _mirror(self._load_locked(spec))
 
-    def _load_locked(self, spec: ModelSpec) -> concurrent.futures.Future[ModelInfo]:
+    def _load_locked(
+        self, spec: ModelSpec, *, force: bool = False
+    ) -> concurrent.futures.Future[ModelInfo]:
         if spec.engine not in self._engine_classes:
             raise ValueError(
                 f"unknown engine {spec.engine!r}; choose from {sorted(self._engine_classes)}"
             )
         current = self._engines.get(spec.name)
-        if current is not None and current.spec == spec and current.is_serving:
+        if current is not None and current.spec == spec and current.is_serving and not force:
             return _resolved(current.info)
         loading = self._loading.get(spec.name)
         if loading is not None and loading[0].spec == spec:
@@ -221,6 +227,26 @@ class EngineWorker:
             self._engines, self._loading, self._retired = {}, {}, []
         for engine in engines:
             engine.stop(timeout)
+
+
+def _mirror(future: concurrent.futures.Future[ModelInfo]) -> concurrent.futures.Future[ModelInfo]:
+    """A future of the caller's own that follows `future`: one waiter giving up (cancelling
+    its future, as asyncio does when a client leaves) never cancels the load for the others."""
+    mirror: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+
+    def follow(done: concurrent.futures.Future[ModelInfo]) -> None:
+        try:
+            if done.cancelled():
+                mirror.cancel()
+            elif done.exception() is not None:
+                mirror.set_exception(done.exception())
+            else:
+                mirror.set_result(done.result())
+        except concurrent.futures.InvalidStateError:
+            pass  # this waiter gave up already
+
+    future.add_done_callback(follow)
+    return mirror
 
 
 def _resolved(info: ModelInfo) -> concurrent.futures.Future[ModelInfo]:

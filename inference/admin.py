@@ -99,7 +99,7 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
         client = get_engine_client()
         entries = list(queryset.filter(enabled=True))
         for entry in entries:
-            client.start_loading(model_spec(entry))
+            client.start_loading(model_spec(entry), force=True)
         self.message_user(
             request,
             f"Loading {len(entries)} model(s); each keeps serving its current version until the "

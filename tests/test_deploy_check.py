@@ -17,8 +17,15 @@ def _check(tmp_path, **env) -> subprocess.CompletedProcess:
         if not key.startswith("DJANGO_") and key != "DATABASE_URL"
     }
     return subprocess.run(
-        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING",
-         "--settings=config.settings_production"],
+        [
+            sys.executable,
+            "manage.py",
+            "check",
+            "--deploy",
+            "--fail-level",
+            "WARNING",
+            "--settings=config.settings_production",
+        ],
         cwd=ROOT,
         env={**base, "ORCHARD_HOME": str(tmp_path), **env},
         capture_output=True,

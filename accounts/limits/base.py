@@ -3,6 +3,7 @@ the backend-independent half of admission (seeding, cancellation, the Admission)
 
 import asyncio
 import datetime
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from django.utils import timezone
 
 from accounts.models import ApiKey
 from accounts.selectors import api_key_month_tokens, month_start
+
+logger = logging.getLogger(__name__)
 
 CODE_RATE_LIMIT = "rate_limit_exceeded"
 CODE_QUOTA = "insufficient_quota"
@@ -67,6 +70,7 @@ class Admission:
 
     headers: dict[str, str]
     granted_tokens: int = 0  # what was reserved: the request's tokens, or less when flexible
+    id: str = ""  # the backend's name for this reservation
     _release: Callable[[int], Awaitable[None]] | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
 
@@ -189,6 +193,15 @@ def _refusal(limits: Limits, verdict: Verdict, reserved: int) -> RateLimitExceed
 
 # Releases started on behalf of cancelled admissions (a task needs a reference to finish).
 _background: set[asyncio.Task] = set()
+# A release the backend could not confirm is retried after each of these delays (releases are
+# idempotent); after that the reservation lapses with its window and lease.
+RELEASE_RETRY_DELAYS_S = (0.5, 2, 5, 15, 30, 60)
+
+
+def _in_background(coroutine) -> None:
+    task = asyncio.ensure_future(coroutine)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 class Limiter:
@@ -210,10 +223,13 @@ class Limiter:
             raise _refusal(limits, verdict, least)
 
         async def release(used_tokens: int) -> None:
-            await self._release(limits, admission_id, used_tokens, month)
+            await self._release_or_retry(limits, admission_id, used_tokens, month)
 
         return Admission(
-            headers=_headers(limits, verdict), granted_tokens=verdict.granted, _release=release
+            headers=_headers(limits, verdict),
+            granted_tokens=verdict.granted,
+            id=admission_id,
+            _release=release,
         )
 
     async def precheck(self, api_key: ApiKey) -> None:
@@ -259,12 +275,34 @@ class Limiter:
                 if done.cancelled() or done.exception() is not None:
                     return
                 if done.result().status == Status.ADMITTED and mode == "admit":
-                    task = asyncio.ensure_future(self._release(limits, admission_id, 0, month))
-                    _background.add(task)
-                    task.add_done_callback(_background.discard)
+                    _in_background(self._retry_release(limits, admission_id, 0, month, first=0))
 
             check.add_done_callback(undo)
             raise
+        except LimiterUnavailable:
+            # The backend may have reserved before its answer was lost: undo, to be sure.
+            if mode == "admit":
+                _in_background(self._retry_release(limits, admission_id, 0, month, first=0))
+            raise
+
+    async def _release_or_retry(self, limits, admission_id, used, month) -> None:
+        """Release; if the backend does not answer, retry in the background and return."""
+        try:
+            await self._release(limits, admission_id, used, month)
+        except LimiterUnavailable:
+            _in_background(self._retry_release(limits, admission_id, used, month))
+            raise
+
+    async def _retry_release(self, limits, admission_id, used, month, first=None) -> None:
+        delays = RELEASE_RETRY_DELAYS_S if first is None else (first, *RELEASE_RETRY_DELAYS_S)
+        for delay in delays:
+            await asyncio.sleep(delay)
+            try:
+                await self._release(limits, admission_id, used, month)
+                return
+            except LimiterUnavailable:
+                continue
+        logger.error("limiter release of %s abandoned; it lapses on its own", admission_id)
 
     async def current_headers(self, api_key: ApiKey) -> dict[str, str]:
         limits = Limits.of(api_key)

@@ -3,6 +3,7 @@ process shares the counters and no read-modify-write race is possible. Keys carr
 
 import asyncio
 import datetime
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import redis
@@ -132,13 +133,17 @@ local id, used = ARGV[1], tonumber(ARGV[2])
 if redis.call('HEXISTS', KEYS[1], id) == 1 then redis.call('HSET', KEYS[1], id, used) end
 redis.call('ZREM', KEYS[2], id)
 local held = redis.call('HDEL', KEYS[3], id)
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], used) end
+-- Only the release that ended the reservation counts its tokens: a retried release (after a
+-- timeout that hid its success) changes nothing.
+if held == 1 and redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], used) end
 return held
 """
 
 
-# A Redis that does not answer within this gives the caller a 503 instead of a hung admission.
+# A Redis that does not answer within this gives the caller a 503 instead of a hung admission;
+# for FAIL_FAST_S after that, calls fail at once rather than each waiting out the timeout again.
 SOCKET_TIMEOUT_S = 2.0
+FAIL_FAST_S = 5.0
 
 
 class RedisLimiter(Limiter):
@@ -156,6 +161,7 @@ class RedisLimiter(Limiter):
         lease_seconds: float = PARALLEL_LEASE_SECONDS,
         budget_idle_seconds: float = BUDGET_IDLE_SECONDS,
         timeout_seconds: float = SOCKET_TIMEOUT_S,
+        fail_fast_seconds: float = FAIL_FAST_S,
     ):
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds
@@ -167,6 +173,8 @@ class RedisLimiter(Limiter):
         self._admit_script = self._client.register_script(_ADMIT_LUA)
         self._release_script = self._client.register_script(_RELEASE_LUA)
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="orchard-limits")
+        self._fail_fast_s = fail_fast_seconds
+        self._down_until = 0.0
 
     def _keys(self, ident: str, month: datetime.date) -> list[str]:
         # The {hash tag} keeps one key's counters in one Redis Cluster slot (Lua needs that).
@@ -182,10 +190,13 @@ class RedisLimiter(Limiter):
 
     async def _run(self, fn, *args):
         # Shielded: a cancelled caller must not drop a release that is queued but not yet running.
+        if time.monotonic() < self._down_until:
+            raise LimiterUnavailable("Redis did not answer a moment ago; not asking again yet.")
         loop = asyncio.get_running_loop()
         try:
             return await asyncio.shield(loop.run_in_executor(self._executor, fn, *args))
         except redis.RedisError as exc:
+            self._down_until = time.monotonic() + self._fail_fast_s
             raise LimiterUnavailable(f"Redis did not answer: {exc}") from exc
 
     def _script(self, limits: Limits, admission_id, reserved, least, month, seed, mode) -> Verdict:

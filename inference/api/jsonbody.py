@@ -8,6 +8,7 @@ constants, no lone surrogates, and no more than MAX_DEPTH levels of arrays and o
 """
 
 import json
+import math
 import re
 from typing import Any
 
@@ -23,11 +24,18 @@ def _reject_constant(name: str) -> Any:
     raise BodyError(f"{name} is not valid JSON.")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400
+        raise BodyError(f"The number {text[:40]} is out of range.")
+    return value
+
+
 def loads(raw: bytes | str) -> Any:
     """Parse `raw`, raising BodyError for anything that is not plain, finite JSON nested at
     most MAX_DEPTH levels."""
     try:
-        value = json.loads(raw, parse_constant=_reject_constant)
+        value = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except BodyError:
         raise
     except RecursionError:

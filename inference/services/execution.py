@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
+from django.utils import timezone
 
 from accounts import limits
 from accounts.models import ApiKey
@@ -35,16 +36,19 @@ from engine.protocol import (
 from inference.engine_access import get_engine_client
 from inference.errors import APIError
 from inference.models import UsageRecord
+from inference.services.output import FAILURE_CODES
 from inference.services.usage import usage_finish, usage_open, usage_reject
 
 logger = logging.getLogger(__name__)
 
-# Engine finish reasons that fail a request ("abort": the model was unloaded or the server is
-# stopping), with the usage row's error code for each.
-FAILURE_CODES = {"error": "engine_error", "abort": "engine_aborted"}
-# A usage row the database refused to finish is retried after each of these delays (about five
-# minutes in all); after that it stays in progress for the start-up sweep.
-USAGE_RETRY_DELAYS_S = (0.5, 1, 2, 4, 8, 15, 30, 60, 60, 60, 60)
+ERROR_RELOADING = "The model is being reloaded; please retry shortly."
+# The response waits this long for its usage row; a slower write (a busy database) finishes in
+# the background. A write the database refuses is retried after each of these delays, then
+# every minute for as long as a request may live (PARALLEL_LEASE_SECONDS); after that the row
+# stays in progress for the start-up sweep.
+USAGE_WRITE_WAIT_S = 2.0
+USAGE_RETRY_DELAYS_S = (0.5, 1, 2, 5, 10, 30)
+USAGE_RETRY_FOR_S = limits.PARALLEL_LEASE_SECONDS
 
 _background: set[asyncio.Task] = set()
 
@@ -83,16 +87,17 @@ async def admission_refused(
     return APIError(429, exc.message, code=exc.code, type=error_type, headers=exc.headers)
 
 
-def _start_error(exc: BaseException) -> BaseException:
-    """The HTTP error for an engine error raised before the first output."""
+def _start_error(exc: BaseException, name: Callable[[str | None], str | None]) -> BaseException:
+    """The HTTP error for an engine error raised before the first output (`name` turns the
+    engine's parameter names into the body's)."""
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=exc.param, code=exc.code)
+        return APIError(400, str(exc), param=name(exc.param), code=exc.code)
     if isinstance(exc, EngineOverloadedError):
         return APIError(
             503, "The model is overloaded with requests; please retry shortly.", code=exc.code
         )
     if isinstance(exc, ModelNotLoadedError):
-        return APIError(503, "The model is being reloaded; please retry shortly.", code=exc.code)
+        return APIError(503, ERROR_RELOADING, code=exc.code)
     if isinstance(exc, EngineError):
         return APIError(500, f"Engine error: {exc}", code=exc.code)
     return exc
@@ -118,6 +123,7 @@ class Execution:
     request_id: str
     requests: list[GenerationRequest]
     flexible: bool = False
+    param_name: Callable[[str | None], str | None] = lambda param: param
     headers: dict[str, str] = field(default_factory=dict)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -207,7 +213,7 @@ class Execution:
                 else UsageRecord.Status.FAILED
             )
             await self.finish(status, error_code=getattr(exc, "code", "") or "")
-            error = _start_error(exc)
+            error = _start_error(exc, self.param_name)
             if error is exc:
                 raise
             raise error from None
@@ -380,18 +386,24 @@ class Execution:
                     completion_tokens=self.num_completion_tokens,
                     time_to_first_token_ms=self._first_token_ms,
                     error_code=error_code,
+                    finished_at=timezone.now(),
                 )
             )
         await self._release(used_tokens=self.num_prompt_tokens + self.num_completion_tokens)
 
     async def _finish_usage(self, write: Callable[[], bool]) -> None:
+        """Finish the row (writing it twice is safe: a finished row is left alone)."""
+        first = asyncio.ensure_future(sync_to_async(write)())
         try:
-            await sync_to_async(write)()
+            await asyncio.wait_for(asyncio.shield(first), USAGE_WRITE_WAIT_S)
+            return
+        except TimeoutError:
+            logger.warning("usage row of %s is slow to write; finishing it later", self.request_id)
         except Exception:
             logger.exception("usage row of %s not finished; retrying", self.request_id)
-            task = asyncio.ensure_future(_retry_usage(write, self.request_id))
-            _background.add(task)
-            task.add_done_callback(_background.discard)
+        task = asyncio.ensure_future(_retry_usage(first, write, self.request_id))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
 
     async def _release(self, *, used_tokens: int) -> None:
         if self._admission is None:
@@ -411,9 +423,16 @@ class Execution:
         }
 
 
-async def _retry_usage(write: Callable[[], bool], request_id: str) -> None:
-    for delay in USAGE_RETRY_DELAYS_S:
-        await asyncio.sleep(delay)
+async def _retry_usage(first: asyncio.Future, write: Callable[[], bool], request_id: str) -> None:
+    try:
+        await first  # a slow first write may still succeed
+        return
+    except Exception:
+        pass
+    deadline = time.monotonic() + USAGE_RETRY_FOR_S
+    delays = iter(USAGE_RETRY_DELAYS_S)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(next(delays, 60))
         try:
             await sync_to_async(write)()
             logger.info("usage row of %s finished on a retry", request_id)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +48,16 @@ from engine.protocol import (
 from inference.engine_access import get_engine_client
 from inference.errors import APIError, model_not_found
 from inference.models import SAMPLING_DEFAULT_FIELDS, ModelEntry
-from inference.services.execution import Execution, admission_refused
+from inference.services.execution import ERROR_RELOADING, Execution, admission_refused
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
 from inference.services.registry import model_for_key, model_spec
 
 logger = logging.getLogger(__name__)
+
+
+# Completions one call may ask for (prompts × n), and prompts of one key rendering at once.
+MAX_CHOICES_PER_CALL = 128
+RENDERS_PER_KEY = 2
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,16 @@ class GenerationCall:
     # errors name what the caller sent (e.g. "max_tokens" -> "max_completion_tokens").
     param_names: Mapping[str, str] = field(default_factory=dict)
 
+    def name(self, param: str | None) -> str | None:
+        """The body field a validation error's parameter stands for."""
+        if param in ("prompt", "messages"):
+            return self.prompt_param
+        return self.param_names.get(param, param)
+
 
 @dataclass
 class Generation:
-    """A started generation: format its `deltas()` (or `collect()` them) and its `usage()`."""
+    """A started generation: the endpoint formats its `deltas()` and `usage()`."""
 
     execution: Execution
     entry: ModelEntry
@@ -139,21 +152,28 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
             exc, request_id=request_id, api_key=api_key, model=entry.name, endpoint=call.endpoint
         ) from None
     info = await _serving_model(entry)
-    prompts = [await _render(entry.name, prompt, call.prompt_param) for prompt in call.prompts]
-    sampling = _sampling(call, entry)
+    sampling, size_limit = _sampling(call, entry)
+    if len(call.prompts) * sampling.n > MAX_CHOICES_PER_CALL:
+        raise APIError(
+            400,
+            f"One request may ask for at most {MAX_CHOICES_PER_CALL} completions (prompts × n); "
+            f"this one asks for {len(call.prompts) * sampling.n}.",
+            param=call.prompt_param,
+        )
+    async with _render_slot(api_key):
+        prompts = [await _render(entry.name, p, call.prompt_param) for p in call.prompts]
     requests = []
     for index, prompt_ids in enumerate(prompts):
         request = GenerationRequest(
             request_id if len(prompts) == 1 else f"{request_id}-{index}",
             entry.name,
             tuple(prompt_ids),
-            _fit_to_context(sampling, len(prompt_ids), info),
+            _fit_to_context(sampling, size_limit, len(prompt_ids), info),
         )
         try:
             validate_generation(request, info, prompt_param=call.prompt_param)
         except InvalidRequestError as exc:
-            param = call.param_names.get(exc.param, exc.param)
-            raise APIError(400, str(exc), param=param, code=exc.code) from None
+            raise APIError(400, str(exc), param=call.name(exc.param), code=exc.code) from None
         requests.append(request)
     prompt_texts = None
     if call.echo:
@@ -168,6 +188,7 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
         request_id=request_id,
         requests=requests,
         flexible=sampling.max_tokens is None,
+        param_name=call.name,
     )
     await execution.start()
     return Generation(execution, entry, prompt_texts)
@@ -197,9 +218,7 @@ async def _render(model: str, prompt: PromptInput, param: str) -> list[int]:
         named = param if exc.param in (None, "messages", "prompt") else exc.param
         raise APIError(400, str(exc), param=named) from None
     except ModelNotLoadedError as exc:
-        raise APIError(
-            503, "The model is being reloaded; please retry shortly.", code=exc.code
-        ) from None
+        raise APIError(503, ERROR_RELOADING, code=exc.code) from None
     return token_ids
 
 
@@ -207,25 +226,59 @@ async def _detokenize(model: str, token_ids: list[int]) -> str:
     try:
         return await get_engine_client().detokenize(model, token_ids)
     except ModelNotLoadedError as exc:
-        raise APIError(
-            503, "The model is being reloaded; please retry shortly.", code=exc.code
-        ) from None
+        raise APIError(503, ERROR_RELOADING, code=exc.code) from None
 
 
-def _sampling(call: GenerationCall, entry: ModelEntry) -> SamplingParams:
-    """The caller's fields over the model's defaults (the registry validated those)."""
+def _sampling(call: GenerationCall, entry: ModelEntry) -> tuple[SamplingParams, int | None]:
+    """The caller's fields over the model's defaults (the registry validated those), and, when
+    the caller left max_tokens to the server, the most it may be (the model's default, else
+    the endpoint's; None: the rest of the context). max_tokens stays None then: the server
+    sizes the request (`_fit_to_context`) and admission may grant less (a flexible request)."""
     values = {name: value for name, value in call.sampling.items() if value is not None}
     for name, kind in SAMPLING_DEFAULT_FIELDS.items():
-        if name not in values and name in entry.default_sampling:
+        if name not in values and name in entry.default_sampling and name != "max_tokens":
             values[name] = kind(entry.default_sampling[name])
-    if "max_tokens" not in values and call.default_max_tokens is not None:
-        values["max_tokens"] = call.default_max_tokens
-    return SamplingParams(**values)
+    size_limit = None
+    if "max_tokens" not in values:
+        size_limit = entry.default_sampling.get("max_tokens", call.default_max_tokens)
+    return SamplingParams(**values), size_limit
 
 
-def _fit_to_context(sampling: SamplingParams, num_prompt: int, info: ModelInfo) -> SamplingParams:
-    """A size the server decides is the rest of the context (validation reports a prompt
-    that leaves none)."""
-    if sampling.max_tokens is not None or info.context_length - num_prompt < 1:
+def _fit_to_context(
+    sampling: SamplingParams, size_limit: int | None, num_prompt: int, info: ModelInfo
+) -> SamplingParams:
+    """A size the server decides: the rest of the context, at most `size_limit` (validation
+    reports a prompt that leaves no room)."""
+    room = info.context_length - num_prompt
+    if sampling.max_tokens is not None or room < 1:
         return sampling
-    return SamplingParams(**{**sampling.__dict__, "max_tokens": info.context_length - num_prompt})
+    max_tokens = room if size_limit is None else min(room, int(size_limit))
+    return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+class _RenderSlots:
+    """At most RENDERS_PER_KEY prompts of one key render at once (per event loop): a key
+    cannot fill the render threads with slow renders while other keys wait."""
+
+    def __init__(self) -> None:
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, api_key: ApiKey) -> AsyncIterator[None]:
+        slots = self._slots.setdefault(asyncio.get_running_loop(), {})
+        entry = slots.get(api_key.prefix)
+        if entry is None:
+            entry = slots[api_key.prefix] = [asyncio.Semaphore(RENDERS_PER_KEY), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del slots[api_key.prefix]  # memory follows the keys rendering now
+
+
+_render_slot = _RenderSlots()

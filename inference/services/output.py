@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 from engine.protocol import GenerationOutput, TokenLogprob
 
-# Engine finish reasons that end a choice in failure, and what the client is told.
+# Engine finish reasons that end a choice in failure: what the client is told, and the usage
+# row's error code.
 FAILURE_MESSAGES = {
     "abort": "The request was aborted by the server (the model was unloaded or the server is "
     "stopping).",
     "error": "The engine failed while generating this response.",
 }
+FAILURE_CODES = {"abort": "engine_aborted", "error": "engine_error"}
 
 
 class GenerationFailed(Exception):

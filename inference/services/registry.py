@@ -69,6 +69,13 @@ def models_for_key(api_key: ApiKey) -> list[ModelEntry]:
 def model_for_key(api_key: ApiKey, name: str) -> ModelEntry | None:
     """The enabled entry called `name` if this key may use it; None otherwise (the API answers
     404 either way, so a key cannot probe for models it may not use)."""
-    if not api_key.allows_model(name):
+    if not _is_model_name(name) or not api_key.allows_model(name):
         return None
     return ModelEntry.objects.filter(enabled=True, name=name).first()
+
+
+def _is_model_name(name: str) -> bool:
+    # What a registry name can be; anything else (a NUL byte, which PostgreSQL refuses in a
+    # query, or an over-long id) matches no model without asking the database.
+    max_length = ModelEntry._meta.get_field("name").max_length
+    return 0 < len(name) <= max_length and "\x00" not in name

@@ -95,6 +95,7 @@ def usage_finish(
     completion_tokens: int = 0,
     time_to_first_token_ms: int | None = None,
     error_code: str = "",
+    finished_at: datetime.datetime | None = None,
 ) -> bool:
     """Finish an open row and roll it up, in one transaction. Returns False (and changes nothing)
     when the row was already finished, so a retry or a racing finish can never count twice. A row
@@ -109,7 +110,7 @@ def usage_finish(
         return False
     if swept:
         _roll_up(record, sign=-1)
-    now = timezone.now()
+    now = finished_at or timezone.now()  # a retried write keeps the time the request ended
     record.status = status
     record.prompt_tokens = prompt_tokens
     record.cached_tokens = cached_tokens

@@ -33,8 +33,15 @@ def test_generated_keys_are_well_formed_and_distinct():
 
 @pytest.mark.parametrize(
     "raw",
-    ["", "sk-orch-", "sk-orch-" + "a" * 39, "sk-orch-" + "a" * 41, "sk-live-" + "a" * 40,
-     "sk-orch-" + "a" * 39 + "!", " sk-orch-" + "a" * 40],
+    [
+        "",
+        "sk-orch-",
+        "sk-orch-" + "a" * 39,
+        "sk-orch-" + "a" * 41,
+        "sk-live-" + "a" * 40,
+        "sk-orch-" + "a" * 39 + "!",
+        " sk-orch-" + "a" * 40,
+    ],
 )
 def test_malformed_keys_are_rejected(raw):
     assert not keys.is_well_formed(raw)
@@ -84,7 +91,11 @@ def test_rotate_copies_settings_and_revokes_the_old_key():
     new, raw = api_key_rotate(api_key=old)
     assert keys.digest_matches(raw, new.digest)
     assert (new.name, new.rpm, new.tpm, new.max_parallel, new.budget_tokens) == (
-        "prod", 1, 2, 3, 4,
+        "prod",
+        1,
+        2,
+        3,
+        4,
     )
     assert new.team == old.team and new.user == old.user and new.all_models
     assert ApiKey.objects.get(pk=old.pk).is_revoked and not new.is_revoked

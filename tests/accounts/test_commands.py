@@ -22,14 +22,31 @@ def _create(*args: str) -> tuple[str, str]:
 
 
 def test_create_prints_the_raw_key_on_stdout_only():
-    raw, err = _create("--user", "alice", "--rpm", "10", "--tpm", "100", "--max-parallel", "2",
-                       "--budget-tokens", "1000", "--expires-days", "3", "--name", "ci")
+    raw, err = _create(
+        "--user",
+        "alice",
+        "--rpm",
+        "10",
+        "--tpm",
+        "100",
+        "--max-parallel",
+        "2",
+        "--budget-tokens",
+        "1000",
+        "--expires-days",
+        "3",
+        "--name",
+        "ci",
+    )
     assert keys.is_well_formed(raw)
     assert raw not in err
     api_key = ApiKey.objects.get()
     assert api_key.prefix in err
     assert (api_key.rpm, api_key.tpm, api_key.max_parallel, api_key.budget_tokens) == (
-        10, 100, 2, 1000,
+        10,
+        100,
+        2,
+        1000,
     )
     assert api_key.expires_at is not None and api_key.name == "ci"
     assert api_key.team.name == "alice"
@@ -41,7 +58,9 @@ def test_create_with_models_and_team():
     _create("--user", "bob", "--team", "research", "--models", "a, b")
     api_key = ApiKey.objects.get()
     assert (api_key.team.name, api_key.all_models, api_key.allowed_models) == (
-        "research", False, ["a", "b"],
+        "research",
+        False,
+        ["a", "b"],
     )
 
 

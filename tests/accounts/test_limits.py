@@ -5,6 +5,7 @@ instances standing for several processes) sharing the counters."""
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 import redis
@@ -438,16 +439,65 @@ async def test_precheck_refuses_what_no_size_could_admit_and_reserves_nothing(
 
 
 async def test_a_redis_that_does_not_answer_raises_limiter_unavailable(silent_redis):
-    limiter = RedisLimiter(url=silent_redis, timeout_seconds=0.3)
-    api_key = make_limited_key(rpm=10)
-    try:
-        for call in (
-            lambda: limiter.admit(api_key, reserved_tokens=1),
-            lambda: limiter.precheck(api_key),
-            lambda: limiter.current_headers(api_key),
-        ):
+    for call in (
+        lambda limiter, api_key: limiter.admit(api_key, reserved_tokens=1),
+        lambda limiter, api_key: limiter.precheck(api_key),
+        lambda limiter, api_key: limiter.current_headers(api_key),
+    ):
+        limiter = RedisLimiter(url=silent_redis, timeout_seconds=0.3)
+        api_key = make_limited_key(rpm=10)
+        try:
             async with asyncio.timeout(5):
                 with pytest.raises(limits.LimiterUnavailable):
-                    await call()
+                    await call(limiter, api_key)
+            # Right after, calls fail at once instead of each waiting out the timeout.
+            started = time.monotonic()
+            with pytest.raises(limits.LimiterUnavailable):
+                await limiter.precheck(api_key)
+            assert time.monotonic() - started < 0.2
+        finally:
+            limiter.close()
+
+
+@pytest.mark.redis
+async def test_an_admission_whose_answer_was_lost_is_undone(redis_namespace):
+    class LostAnswers(RedisLimiter):
+        async def _check(self, *args):
+            await super()._check(*args)  # Redis reserved...
+            raise limits.LimiterUnavailable("...and the answer timed out")
+
+    lossy = LostAnswers(url=TEST_REDIS_URL, namespace=redis_namespace)
+    healthy = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
+    api_key = make_limited_key(max_parallel=1)
+    try:
+        with pytest.raises(limits.LimiterUnavailable):
+            await lossy.admit(api_key, reserved_tokens=5)
+        async with asyncio.timeout(5):
+            while True:  # the undo runs in the background
+                result = await _try_admit(healthy, api_key)
+                if isinstance(result, limits.Admission):
+                    break
+                await asyncio.sleep(0.05)
+        await result.release(used_tokens=0)
+    finally:
+        lossy.close()
+        healthy.close()
+
+
+@pytest.mark.redis
+@pytest.mark.django_db(transaction=True)
+async def test_a_retried_release_counts_its_tokens_once(redis_namespace, sync_thread_db):
+    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=1000)
+    limiter = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
+    try:
+        admission = await limiter.admit(api_key, reserved_tokens=100)
+        key_limits = limits.base.Limits.of(api_key)
+        month = month_start(timezone.now().date())
+        for _ in range(3):  # a release whose answer was lost, retried
+            await limiter._release(key_limits, admission.id, 400, month)
+        held = await limiter.admit(api_key, reserved_tokens=600)
+        with pytest.raises(RateLimitExceeded):
+            await limiter.admit(api_key, reserved_tokens=1)
+        await held.release(used_tokens=0)
     finally:
         limiter.close()

@@ -52,3 +52,23 @@ def test_postgres_gets_no_sqlite_options(tmp_path):
     database = database_settings(tmp_path, DATABASE_URL="postgres://u@127.0.0.1:5432/x")
     assert "transaction_mode" not in database.get("OPTIONS", {})
     assert database["CONN_MAX_AGE"] == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_render_timeout_must_be_a_positive_number(tmp_path, value):
+    base = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    result = subprocess.run(
+        [sys.executable, "-c", PRINT_DATABASE],
+        cwd=ROOT,
+        env={
+            **base,
+            "ORCHARD_HOME": str(tmp_path),
+            "DJANGO_SETTINGS_MODULE": "config.settings",
+            "ORCHARD_RENDER_TIMEOUT_SECONDS": value,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "ORCHARD_RENDER_TIMEOUT_SECONDS" in result.stderr

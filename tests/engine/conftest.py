@@ -61,7 +61,7 @@ def manual_engine(
     control of which step each request joins at."""
     engine = engine_class(ModelSpec(name="tiny", path="unused", **spec_kwargs), lambda: loaded)
     engine.loaded = loaded
-    engine.ready.set_result(engine.describe(loaded.info))
+    engine.ready.set_result(engine.serving_info(loaded.info))
     engine.setup()
     return engine
 

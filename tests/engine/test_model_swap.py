@@ -220,3 +220,48 @@ async def test_a_reload_never_makes_a_request_wait(tiny_llama):
     finally:
         release.set()
         await client.shutdown()
+
+
+async def test_a_waiter_that_leaves_does_not_cancel_the_load_for_the_others(tiny_llama):
+    release = threading.Event()
+
+    def loader(spec):
+        release.wait(30)
+        return tiny_llama
+
+    client = LocalEngineClient(EngineWorker(loader=loader))
+    try:
+        leaving = asyncio.create_task(client.serving_model(OLD))
+        staying = asyncio.create_task(client.serving_model(OLD))
+        await asyncio.sleep(0.05)
+        leaving.cancel()  # a client disconnects while the model loads
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        release.set()
+        async with asyncio.timeout(30):
+            assert (await staying).name == tiny_llama.info.name
+        assert client.model_status("tiny").state == "serving"
+    finally:
+        release.set()
+        await client.shutdown()
+
+
+async def test_a_forced_reload_of_the_serving_spec_loads_a_fresh_engine(client):
+    old = client.worker.get("tiny")
+    await asyncio.wrap_future(client.worker.load(OLD, force=True))
+    new = client.worker.get("tiny")
+    assert new is not old and new.spec == OLD
+    await eventually(lambda: not old.is_alive())
+
+
+async def test_returning_to_the_serving_spec_clears_a_failed_reload(tiny_llama):
+    client = LocalEngineClient(EngineWorker(loader=broken_or(tiny_llama, [])))
+    try:
+        await client.ensure_model(OLD)
+        with pytest.raises(FileNotFoundError):
+            await client.ensure_model(BROKEN)
+        assert client.model_status("tiny").error
+        await client.serving_model(OLD)  # the admin put the old path back
+        assert client.model_status("tiny").error is None
+    finally:
+        await client.shutdown()

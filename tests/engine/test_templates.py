@@ -5,6 +5,7 @@ import time
 
 import pytest
 import transformers
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from engine import templates
 from engine.loader import load_tokenizer
@@ -79,14 +80,19 @@ def test_server_owned_keys_are_refused_before_the_template_runs(tokenizer, monke
     assert caught.value.param == "chat_template_kwargs"
 
 
-def test_every_parameter_of_apply_chat_template_is_reserved():
-    import inspect
-
-    names = set(
-        inspect.signature(transformers.PreTrainedTokenizerBase.apply_chat_template).parameters
-    ) - {"self", "kwargs"}
-    assert names and names <= templates.RESERVED_TEMPLATE_KWARGS
-    templates.check_template_kwargs({"enable_thinking": False, "reasoning_effort": "low"})
+def test_a_tokenizers_own_special_token_names_and_the_template_globals_are_refused():
+    tokenizer = TokenizerWrapper(
+        transformers.PreTrainedTokenizerFast.from_pretrained(
+            str(tokenizer_dir("qwen3")), extra_special_tokens={"image_token": "<|image_pad|>"}
+        )
+    )
+    for key in ("image_token", "range", "raise_exception", "namespace"):
+        with pytest.raises(InvalidRequestError):
+            templates.apply_chat_template(tokenizer, MESSAGES, chat_template_kwargs={key: "x"})
+    # Template variables still pass, whatever their values.
+    templates.apply_chat_template(
+        tokenizer, MESSAGES, chat_template_kwargs={"enable_thinking": False, "x": [1, {"a": 2}]}
+    )
 
 
 def test_a_render_past_its_deadline_is_stopped(tokenizer):

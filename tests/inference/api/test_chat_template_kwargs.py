@@ -47,3 +47,35 @@ def test_enable_thinking_reaches_the_template(client, counts, model, stream):
     off = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
     assert prompt_tokens(client, model, stream) == default
     assert prompt_tokens(client, model, stream, **off) == thinking_off
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_render_time_limit_is_applied_to_requests(settings, tiny_model_path):
+    """In process, with a tiny limit: a long conversation takes longer than that to render."""
+    from asgiref.sync import sync_to_async
+    from django.test import AsyncClient
+
+    from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
+    from inference.services.registry import model_register
+
+    def setup() -> str:
+        user = user_get_or_create(username="slow-renders")
+        team, _ = team_membership_ensure(user=user, team_name="slow-renders")
+        model_register(name=TINY, path=tiny_model_path)
+        return api_key_create(user=user, team=team)[1]
+
+    raw = await sync_to_async(setup)()
+    settings.ORCHARD_RENDER_TIMEOUT_SECONDS = 0.05
+    conversation = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+        for i in range(20_000)
+    ]
+    response = await AsyncClient().post(
+        "/v1/chat/completions",
+        {"model": TINY, "messages": conversation, "max_tokens": 1},
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {raw}"},
+    )
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "longer than 0.05 s" in error["message"]

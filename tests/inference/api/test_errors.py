@@ -163,6 +163,22 @@ def test_completions_logprobs_errors_name_logprobs(post, tiny_models):
     assert_openai_error(post("completions", body), 400, param="best_of")
 
 
+def test_a_call_may_ask_for_at_most_128_completions(post, tiny_models):
+    body = {"model": TINY, "prompt": [[1]] * 9, "n": 16, "max_tokens": 1}
+    error = assert_openai_error(post("completions", body), 400, param="prompt")
+    assert "128" in error["message"]
+    body = {"model": TINY, "prompt": [[1]] * 8, "n": 16, "max_tokens": 1}
+    assert post("completions", body).status_code == 200
+
+
+def test_out_of_range_numbers_anywhere_in_the_body_are_a_400(post, tiny_models):
+    body = b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}], '
+    body += b'"chat_template_kwargs": {"x": 1e400}}'
+    assert_openai_error(post("chat/completions", content=body), 400)
+    nul = {"model": "tiny\u0000chat", "messages": MESSAGES}
+    assert_openai_error(post("chat/completions", nul), 400, param="model")
+
+
 def test_top_p_zero_is_greedy(client):
     greedy = client.chat.completions.create(
         model=TINY, messages=MESSAGES, max_tokens=8, temperature=0

@@ -248,3 +248,31 @@ async def test_a_request_task_cancelled_outside_its_stream_closes_every_stream_o
     errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert not errors, [r.getMessage() for r in errors]
     await kept[0].aclose()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_slow_usage_write_does_not_hold_the_end_of_the_stream(monkeypatch):
+    real_finish = execution_module.usage_finish
+    calls = []
+
+    def busy_database(**kwargs):  # a write waiting on SQLite's busy timeout, then landing
+        calls.append(kwargs["finished_at"])
+        time.sleep(1.5)
+        return real_finish(**kwargs)
+
+    monkeypatch.setattr(execution_module, "usage_finish", busy_database)
+    monkeypatch.setattr(execution_module, "USAGE_WRITE_WAIT_S", 0.1)
+    generation = await start_generation(monkeypatch, engine_finishing(), "req_busy")
+    started = time.monotonic()
+    chunks = await streamed(generation)
+    assert chunks[-1] == SSE_DONE and time.monotonic() - started < 1.0
+    await eventually(lambda: len(calls) == 1)
+    row = await sync_to_async(UsageRecord.objects.get)(request_id="req_busy")
+    for _ in range(100):
+        if row.status == "completed":
+            break
+        await asyncio.sleep(0.05)
+        row = await sync_to_async(UsageRecord.objects.get)(request_id="req_busy")
+    assert (row.status, row.completion_tokens) == ("completed", 2)
+    assert row.finished_at == calls[0]  # the time the request ended, not the write's
+    assert len(calls) == 1  # waited for, not written twice

@@ -3,7 +3,7 @@
 import pytest
 from django.core.exceptions import ValidationError
 
-from inference.services.registry import model_register
+from inference.services.registry import model_for_key, model_register
 
 
 @pytest.mark.django_db
@@ -58,3 +58,17 @@ def test_admin_disable_skips_the_default_and_make_default_needs_an_enabled_model
     assert not ModelEntry.objects.get(pk=other.pk).enabled
     admin_client.post(url, {"action": "make_default", "_selected_action": [other.pk]})
     assert ModelEntry.objects.get(pk=default.pk).is_default
+
+
+@pytest.mark.django_db
+def test_odd_model_names_match_nothing_without_asking_the_database(
+    django_assert_num_queries, tiny_model_path
+):
+    from tests.factories import ApiKeyFactory
+
+    model_register(name="m", path=tiny_model_path)
+    api_key = ApiKeyFactory()
+    for name in ("m\x00", "\x00", "", "m" * 101):
+        with django_assert_num_queries(0):
+            assert model_for_key(api_key, name) is None
+    assert model_for_key(api_key, "m").name == "m"
