@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 from engine.constraints import JsonConstraint
 from engine.detokenizer import StreamDetokenizer, skipped_token_ids, token_bytes, token_text
@@ -91,6 +92,8 @@ class EngineLoop:
         if self._thread.is_alive():
             self._inbox.put((STOP, None))
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            _wait_until_gone(self._thread)
 
     def drain(self) -> None:
         """Refuse new requests and let the thread end once those in flight have finished
@@ -268,6 +271,19 @@ class EngineLoop:
 
     def close(self, status: RequestStatus, error: str | None) -> None:
         """End what is left when the loop ends (aborted on stop, "error" if the loop died)."""
+
+
+def _wait_until_gone(thread: threading.Thread, timeout: float = 2.0) -> None:
+    """Wait for a joined thread's OS thread to end. `join` returns once the Python side of the
+    thread is done, before its C++ thread-local destructors run; MLX's takes the GIL, and if the
+    interpreter is already exiting then, the process aborts ("terminate called without an
+    active exception"). Stopping engines is the last thing a process does before it exits."""
+    task = Path(f"/proc/self/task/{thread.native_id}")
+    if thread.native_id is None or not task.parent.is_dir():  # Linux only (libstdc++)
+        return
+    deadline = time.monotonic() + timeout
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def describe(exc: BaseException) -> str:
