@@ -9,7 +9,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connections
 
 from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
@@ -67,3 +69,11 @@ def silent_redis():
     for conn in accepted:
         conn.close()
     server.close()
+
+
+@pytest.fixture
+async def sync_thread_db():
+    """For async tests whose code reaches the database through sync_to_async: close the
+    connection that asgiref's sync thread opened, so the test database can be dropped."""
+    yield
+    await sync_to_async(connections.close_all)()

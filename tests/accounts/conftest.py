@@ -5,8 +5,6 @@ import uuid
 
 import pytest
 import redis
-from asgiref.sync import sync_to_async
-from django.db import connections
 
 from accounts import keys
 from accounts.limits import InProcessLimiter, RedisLimiter
@@ -53,11 +51,3 @@ def make_limiter(request):
     for limiter in made:
         if isinstance(limiter, RedisLimiter):
             limiter.close()
-
-
-@pytest.fixture
-async def sync_thread_db():
-    """For async tests whose code reaches the database through sync_to_async: close the
-    connection that asgiref's sync thread opened, so the test database can be dropped."""
-    yield
-    await sync_to_async(connections.close_all)()

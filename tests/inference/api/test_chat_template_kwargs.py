@@ -50,7 +50,9 @@ def test_enable_thinking_reaches_the_template(client, counts, model, stream):
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_the_render_time_limit_is_applied_to_requests(settings, tiny_model_path):
+async def test_the_render_time_limit_is_applied_to_requests(
+    settings, tiny_model_path, sync_thread_db
+):
     """In process, with a tiny limit: a long conversation takes longer than that to render."""
     from asgiref.sync import sync_to_async
     from django.test import AsyncClient

@@ -86,7 +86,9 @@ def test_max_parallel_holds_across_two_processes(two_servers, make_key, tiny_mod
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_a_redis_that_does_not_answer_is_a_503_not_a_hang(silent_redis, settings):
+async def test_a_redis_that_does_not_answer_is_a_503_not_a_hang(
+    silent_redis, settings, sync_thread_db
+):
     """In process (the limiter follows settings.REDIS_URL): a key with limits needs Redis."""
     from django.test import AsyncClient
 
