@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 
-from engine.loop import DRAIN, STOP, EngineLoop, describe, end_queued
+from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe, end_queued
 from engine.protocol import GenerationRequest, ModelInfo, RequestStatus
 from engine.request import Emit
 from engine.runner import BatchRunner
@@ -20,11 +20,22 @@ class BatchedEngine(EngineLoop):
     """Continuous batching: requests join and leave the running batch at any step."""
 
     def setup(self) -> None:
+        self.setup_caches()
+        self.pacer = PrefillPacer(
+            fixed=self.spec.prefill_chunk_tokens, limit=self.spec.max_num_batched_tokens
+        )
         self.scheduler = Scheduler(
             max_num_seqs=self.spec.max_num_seqs,
             max_num_batched_tokens=self.spec.max_num_batched_tokens,
+            prefill_chunk_tokens=self.pacer.chunk_tokens,
+            prefix_cache=self.prefix_cache,
+            memory=self.memory,
         )
-        self.runner = BatchRunner(self.loaded.model)
+        hybrid = self.layout is not None and self.layout.hybrid
+        self.runner = BatchRunner(self.loaded.model, self.prefix_cache, hybrid=hybrid)
+
+    def prefill_chunk_tokens(self) -> int:
+        return self.pacer.chunk_tokens
 
     def run(self) -> None:
         while True:
@@ -34,6 +45,8 @@ class BatchedEngine(EngineLoop):
                     return
                 if kind is DRAIN:
                     self._draining = True
+                elif kind is CLEAR:
+                    self._clear_prefix_cache(payload)
                 elif kind == "add":
                     self._add(payload)
                 else:
@@ -57,6 +70,8 @@ class BatchedEngine(EngineLoop):
         started_at = time.perf_counter()
         run_ahead = self._inbox.empty() and self.scheduler.decodes_only_after(plan)
         sampled = self.runner.execute(plan, run_ahead=run_ahead)
+        self.pacer.record(plan, time.perf_counter() - started_at)
+        self.scheduler.prefill_chunk_tokens = self.pacer.chunk_tokens
         _advance(plan)
         for item in sampled:
             if item.seq.status.is_finished:
@@ -85,6 +100,7 @@ class BatchedEngine(EngineLoop):
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.remove(request_id)
         if request is not None:
+            self._drop_hit(request)
             self.finish(request, RequestStatus.FINISHED_ABORTED)
             self.runner.release(request_id)
             self.runner.release_finished()
@@ -92,11 +108,19 @@ class BatchedEngine(EngineLoop):
     def _fail_running(self, error: str) -> None:
         for request in list(self.scheduler.running):
             self.scheduler.remove(request.request_id)
+            self._drop_hit(request)
             self.finish(request, RequestStatus.FINISHED_ERROR, error)
         self.runner.reset()
 
+    def _drop_hit(self, request) -> None:
+        # A prefix-cache hit the runner never used (the step failed first) holds its entries.
+        hit, request.prefix_hit = request.prefix_hit, None
+        if hit is not None and self.prefix_cache is not None:
+            self.prefix_cache.unlock(hit)
+
     def close(self, status: RequestStatus, error: str | None) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._drop_hit(request)
             self.finish(request, status, error)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
@@ -105,6 +129,36 @@ class BatchedEngine(EngineLoop):
                 end_queued(payload, status, error)
         self._publish(0, 0)
         self.runner.reset()
+
+
+class PrefillPacer:
+    """How many prompt tokens a step may prefill while other sequences decode: `fixed` if the
+    model sets it, else what the measured prefill speed computes in TARGET_STEP_S, so a long
+    prompt arriving delays each running stream's next token by about that much."""
+
+    TARGET_STEP_S = 0.25
+    MIN_TOKENS = 16
+    START_TOKENS = 256
+
+    def __init__(self, *, fixed: int | None, limit: int):
+        self.fixed = fixed
+        self.limit = limit
+        self.chunk_tokens = fixed or min(limit, self.START_TOKENS)
+        self._seconds_per_token: float | None = None
+
+    def record(self, plan: SchedulerOutput, elapsed_s: float) -> None:
+        num_prefill = sum(chunk.num_tokens for chunk in plan.prefill)
+        if self.fixed or num_prefill < self.MIN_TOKENS:
+            return
+        # The decode rows' share of the step is small beside a chunk; counting it all as
+        # prefill time errs toward smaller chunks.
+        per_token = elapsed_s / num_prefill
+        previous = self._seconds_per_token
+        self._seconds_per_token = (
+            per_token if previous is None else 0.7 * previous + 0.3 * per_token
+        )
+        tokens = int(self.TARGET_STEP_S / self._seconds_per_token)
+        self.chunk_tokens = max(self.MIN_TOKENS, min(self.limit, tokens))
 
 
 def _advance(plan: SchedulerOutput) -> None:

@@ -13,6 +13,7 @@ engine/batched.py (continuous batching) and engine/simple.py (serialized).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import queue
@@ -22,9 +23,18 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+import engine  # noqa: F401  (OpenBLAS before mlx)
+
+# isort: split
+import mlx.core as mx
+
+from engine import caches
+from engine.caches import CacheLayout
 from engine.constraints import JsonConstraint
 from engine.detokenizer import StreamDetokenizer, skipped_token_ids, token_bytes, token_text
 from engine.loader import LoadedModel
+from engine.memory import plan_memory
+from engine.prefix_cache import PrefixCache
 from engine.protocol import (
     EngineOverloadedError,
     EngineStats,
@@ -41,12 +51,13 @@ from engine.protocol import (
 from engine.request import Emit, Request, Sequence
 from engine.runner import Sampled
 from engine.sampling import SamplingState
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import MemoryBudget, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 STOP = object()  # inbox command: end the loop, aborting what is in flight
 DRAIN = object()  # inbox command: end the loop once what is in flight has finished
+CLEAR = object()  # inbox command: empty the prefix cache
 THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -66,6 +77,10 @@ class EngineLoop:
         self._closing = False  # set by drain or the loop ending: submit refuses from then on
         self._draining = False  # engine thread only
         self._meter = _Meter()
+        # Set on the engine thread by `setup_caches`.
+        self.layout: CacheLayout | None = None
+        self.memory: MemoryBudget | None = None
+        self.prefix_cache: PrefixCache | None = None
         self._thread = threading.Thread(
             target=self._main, name=f"orchard-engine-{spec.name}", daemon=True
         )
@@ -125,7 +140,32 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         with self._lock:
             num_waiting, num_running = self._num_queued + self._num_waiting, self._num_running
-        return self._meter.snapshot(self.spec.name, num_waiting, num_running)
+        stats = self._meter.snapshot(self.spec.name, num_waiting, num_running)
+        # Plain ints written by the engine thread: a snapshot a moment old at worst.
+        cache = self.prefix_cache.stats().to_dict() if self.prefix_cache is not None else {}
+        return dataclasses.replace(
+            stats,
+            num_cached_prompt_tokens=cache.get("hit_tokens", 0),
+            prefill_chunk_tokens=self.prefill_chunk_tokens(),
+            memory_budget_bytes=self.memory.max_bytes if self.memory else 0,
+            prefix_cache=cache,
+        )
+
+    def prefill_chunk_tokens(self) -> int:
+        """Prefill tokens per step while others decode (0: no limit)."""
+        return 0
+
+    def clear_prefix_cache(self) -> concurrent.futures.Future[int]:
+        """Empty the prefix cache (on the engine thread) and hand its memory back to the
+        system; resolves with the bytes freed."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._inbox.put((CLEAR, future))
+        return future
+
+    def _clear_prefix_cache(self, future: concurrent.futures.Future[int]) -> None:
+        freed = self.prefix_cache.clear() if self.prefix_cache is not None else 0
+        mx.clear_cache()  # the allocator's free list, else the memory stays with the process
+        future.set_result(freed)
 
     def check(self, spec: GenerationRequest) -> int:
         """Validate a request without touching MLX (any thread); return its max_tokens."""
@@ -139,6 +179,11 @@ class EngineLoop:
     def build(self, spec: GenerationRequest, emit: Emit, max_tokens: int) -> Request:
         info, tokenizer, params = self.info, self.loaded.tokenizer, spec.sampling
         request = Request(spec, emit, max_tokens=max_tokens)
+        if self.prefix_cache is not None and self.prefix_cache.hybrid:
+            # Only the recurrent state needs taking at a boundary; attention layers' keys and
+            # values are cut from anywhere.
+            body = len(spec.prompt_token_ids) - 1
+            request.checkpoints = tuple(sorted({c for c in spec.checkpoints if 0 < c < body}))
         for index in range(params.n):
             state = SamplingState(
                 params,
@@ -249,6 +294,7 @@ class EngineLoop:
                 finish_reason=status.finish_reason if status else None,
                 logprobs=logprobs,
                 num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
             )
         )
 
@@ -262,9 +308,22 @@ class EngineLoop:
     def setup(self) -> None:
         """Build per-model state on the engine thread, after loading."""
 
+    def setup_caches(self) -> None:
+        """On the engine thread: the model's cache layout, memory budget and prefix cache."""
+        try:
+            self.layout = caches.layout(self.loaded.model)
+        except Exception as exc:  # a model whose cache cannot be probed serves without reuse
+            logger.warning("no prefix cache for %s: %s", self.spec.name, describe(exc))
+            self.layout = None
+        self.memory, self.prefix_cache = plan_memory(self.spec, self.loaded.model, self.layout)
+
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         """The model's info as this engine serves it (what requests are validated against)."""
-        return info
+        if self.memory is None:
+            return info
+        return dataclasses.replace(
+            info, max_request_tokens=self.memory.max_tokens(), hybrid=self.layout.hybrid
+        )
 
     def run(self) -> None:
         raise NotImplementedError

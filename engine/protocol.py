@@ -97,6 +97,14 @@ class ModelSpec:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_waiting: int = 256
+    # Prefill tokens per step while other sequences decode (None: sized by the engine from
+    # its measured prefill speed, so running streams keep flowing).
+    prefill_chunk_tokens: int | None = None
+    # Bytes for the running sequences' caches and the prefix cache together (None: a share of
+    # the machine's memory), and the prefix cache's own cap within that (None: a quarter;
+    # 0: no prefix cache).
+    memory_budget_bytes: int | None = None
+    prefix_cache_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,6 +124,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     supports_tools: bool = False
     max_choices: int = MAX_CHOICES  # the most choices (n) one request may ask for
+    # The most tokens (prompt + completion, summed over choices) one request may hold in the
+    # engine's memory budget; None: no limit known.
+    max_request_tokens: int | None = None
+    hybrid: bool = False  # recurrent layers: prompt checkpoints are worth computing
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -268,10 +280,15 @@ class PromptInput:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """`checkpoints`: prompt positions worth resuming from later (the end of the system prompt
+    and tools, the conversation before its last user turn): on a hybrid model the engine keeps
+    the recurrent state there for the prefix cache."""
+
     request_id: str
     model: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    checkpoints: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -279,6 +296,7 @@ class GenerationRequest:
             "model": self.model,
             "prompt_token_ids": list(self.prompt_token_ids),
             "sampling": self.sampling.to_dict(),
+            "checkpoints": list(self.checkpoints),
         }
 
     @classmethod
@@ -288,6 +306,7 @@ class GenerationRequest:
             model=data["model"],
             prompt_token_ids=tuple(data["prompt_token_ids"]),
             sampling=SamplingParams.from_dict(data["sampling"]),
+            checkpoints=tuple(data.get("checkpoints", ())),
         )
 
 
@@ -316,6 +335,14 @@ def validate_generation(
             f"The {prompt_param} has token ids outside the vocabulary.", param=prompt_param
         )
     completion = params.max_tokens or 1
+    needed = params.n * (num_prompt + completion)
+    if info.max_request_tokens is not None and needed > info.max_request_tokens:
+        raise InvalidRequestError(
+            f"This request needs room for {needed} tokens ({params.n} × ({num_prompt} + "
+            f"{completion})) in the model's memory, which holds {info.max_request_tokens}. "
+            "Lower max_tokens or n, or shorten the prompt.",
+            param="max_tokens",
+        )
     if num_prompt + completion > info.context_length:
         raise InvalidRequestError(
             f"This model's maximum context length is {info.context_length} tokens. However, you "
@@ -389,6 +416,10 @@ class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    prefill_chunk_tokens: int = 0
+    memory_budget_bytes: int = 0
+    prefix_cache: Mapping[str, int] = field(default_factory=dict)  # PrefixCacheStats.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

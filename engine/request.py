@@ -64,6 +64,12 @@ class Request:
     max_tokens: int  # resolved against the context length
     sequences: list[Sequence] = field(default_factory=list)
     arrived_at: float = field(default_factory=time.monotonic)
+    # Prompt positions whose recurrent state is worth keeping (hybrid models; else empty).
+    checkpoints: tuple[int, ...] = ()
+    # Set at admission from the prefix cache (engine.prefix_cache.PrefixHit); the runner seeds
+    # the request's cache from it and drops it.
+    prefix_hit: Any = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache provided
 
     @property
     def request_id(self) -> str:

@@ -1,34 +1,40 @@
-"""The one module that touches mlx-lm's model call and cache classes.
+"""The one module that calls the model (engine/caches.py is the one that handles mlx-lm's cache
+objects).
 
-mlx-lm's batching internals move between releases; everything Orchard needs from them is here,
-so an upgrade touches this file only. The runner computes what the scheduler decided and makes
-no policy. Only the engine thread of a model calls into it.
+The runner computes what the scheduler decided and makes no policy. Only the engine thread of
+a model calls into it.
 
 Batching follows mlx-lm's own scheme: prompts are prefilled, all but their last token, alone
 and in chunks, or together (right padding, masked) when several start and end in one step;
 their caches then join the decode batch (`BatchKVCache` / `ArraysCache` merge and extend, left
 padding), and each last prompt token is fed with the decode step, whose last-position logits
 give the first token. In float32 the padded batch changes no greedy token (FACTS.md).
+
+With a prefix cache, a request admitted with a hit starts from a cache seeded with it; the state
+of every completed prompt (all but its last token), of every prompt checkpoint and of every
+sequence that finishes is inserted into the cache for later requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
 
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
+from engine.caches import Cache, concatenate, make_cache, merge, remember, start_cache
+from engine.prefix_cache import PrefixCache
+from engine.protocol import RequestStatus
 from engine.request import Request, Sequence
 from engine.sampling import SampleResult, sample_batch
 from engine.scheduler import SchedulerOutput
 
-Cache = list[Any]
+# Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
+_KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 # A JSON-mode row whose sampled token is invalid picks the best allowed one among this many.
 CANDIDATES = 128
 
@@ -41,10 +47,6 @@ class Sampled:
     token_id: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
-
-
-def make_cache(model: nn.Module) -> Cache:
-    return make_prompt_cache(model)
 
 
 def prefill(model: nn.Module, cache: Cache, token_ids: Seq[int]) -> None:
@@ -164,8 +166,12 @@ class BatchRunner:
     changes the order of work but overlaps nothing (bench/RESULTS.md); Metal and CUDA overlap.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(
+        self, model: nn.Module, prefix_cache: PrefixCache | None = None, *, hybrid: bool = False
+    ):
         self.model = model
+        self.prefix_cache = prefix_cache
+        self.hybrid = hybrid
         self._rows: list[Sequence] = []
         self._cache: Cache | None = None
         self._prefill_caches: dict[str, Cache] = {}
@@ -180,8 +186,22 @@ class BatchRunner:
         self._prefill_caches.pop(request_id, None)
 
     def release_finished(self) -> None:
-        """Drop the decode rows of finished sequences, freeing their cache."""
-        self._keep_rows([i for i, seq in enumerate(self._rows) if not seq.status.is_finished])
+        """Drop the decode rows of finished sequences, freeing their cache; those that ended
+        normally go to the prefix cache first."""
+        keep = []
+        ahead = {id(seq) for seq in self._ahead[0]} if self._ahead is not None else set()
+        for row, seq in enumerate(self._rows):
+            if not seq.status.is_finished:
+                keep.append(row)
+            elif self.prefix_cache is not None and seq.status in _KEPT:
+                # A row that ran ahead has also been fed its last sampled token.
+                length = seq.num_computed_tokens + (id(seq) in ahead)
+                tokens = (seq.request.prompt_token_ids + tuple(seq.output_token_ids))[:length]
+                self._remember(tokens, self._cache, row)
+        self._keep_rows(keep)
+
+    def _remember(self, tokens, cache: Cache, row: int | None = None) -> None:
+        remember(self.prefix_cache, tokens, cache, row=row, hybrid=self.hybrid)
 
     def reset(self) -> None:
         self._rows, self._cache, self._prefill_caches, self._ahead = [], None, {}, None
@@ -233,22 +253,33 @@ class BatchRunner:
             request = chunk.request
             if id(request) in together:
                 continue
-            cache = self._prefill_caches.setdefault(request.request_id, make_cache(self.model))
+            cache = self._prefill_caches.get(request.request_id)
+            if cache is None:
+                cache = self._prefill_caches[request.request_id] = self._start(request)
             end = chunk.start + chunk.num_tokens
             if not chunk.completes_prompt:
                 prefill(self.model, cache, request.prompt_token_ids[chunk.start : end])
+                if end in request.checkpoints:
+                    self._remember(request.prompt_token_ids[:end], cache)
                 continue
             prefill(self.model, cache, request.prompt_token_ids[chunk.start : end - 1])
+            self._remember(request.prompt_token_ids[: end - 1], cache)
             del self._prefill_caches[request.request_id]
             for seq in request.live_sequences():
                 joining.append(seq)
                 caches.append(cache)
-        merged = _merge(caches) if caches else None
+        merged = merge(caches) if caches else None
         if together:
             batch = self._prefill_together(whole)
             joining += [seq for request in whole for seq in request.live_sequences()]
-            merged = batch if merged is None else _concatenate(merged, batch)
+            merged = batch if merged is None else concatenate(merged, batch)
         return joining, merged
+
+    def _start(self, request: Request) -> Cache:
+        hit, request.prefix_hit = request.prefix_hit, None
+        if hit is not None:
+            request.num_cached_tokens = hit.length
+        return start_cache(self.model, self.prefix_cache, hit)
 
     def _prefill_together(self, requests: list[Request]) -> Cache:
         # mlx-lm's PromptProcessingBatch scheme: right-pad to the longest prompt, mask the
@@ -256,7 +287,7 @@ class BatchRunner:
         bodies = [request.prompt_token_ids[:-1] for request in requests]
         lengths = [len(body) for body in bodies]
         padding = [max(lengths) - length for length in lengths]
-        cache = _merge([make_cache(self.model) for _ in requests])
+        cache = merge([make_cache(self.model) for _ in requests])
         if any(padding):
             for layer in cache:
                 layer.prepare(lengths=lengths, right_padding=padding)
@@ -265,6 +296,8 @@ class BatchRunner:
         if any(padding):
             for layer in cache:
                 layer.finalize()
+        for row, body in enumerate(bodies):
+            self._remember(body, cache, row)
         rows = [i for i, request in enumerate(requests) for _ in request.live_sequences()]
         if len(rows) > len(requests):  # n > 1: every choice gets its own copy of the rows
             for layer in cache:
@@ -307,30 +340,45 @@ class BatchRunner:
         self._rows.extend(seqs)
 
 
-def _concatenate(first: Cache, second: Cache) -> Cache:
-    for layer, other in zip(first, second, strict=True):
-        layer.extend(other)
-    return first
-
-
-def _merge(caches: list[Cache]) -> Cache:
-    # Merging copies, so n choices forked from one prompt cache get independent rows.
-    return [type(layers[0]).merge(list(layers)) for layers in zip(*caches, strict=True)]
-
-
 class SequenceRunner:
-    """One sequence at a time with mlx-lm's plain caches: for models that cannot batch."""
+    """One sequence at a time with mlx-lm's plain caches: for models that cannot batch. It
+    shares the batch runner's prefix cache behaviour: seeded from a hit, checkpoints and the
+    prompt and finished sequences inserted."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(
+        self, model: nn.Module, prefix_cache: PrefixCache | None = None, *, hybrid: bool = False
+    ):
         self.model = model
+        self.prefix_cache = prefix_cache
+        self.hybrid = hybrid
 
-    def prefill(self, token_ids: Seq[int], chunk_size: int) -> Cache:
-        """A cache holding all but the last of `token_ids`, computed in chunks."""
-        cache = make_cache(self.model)
-        body = token_ids[:-1]
-        for start in range(0, len(body), chunk_size):
-            prefill(self.model, cache, body[start : start + chunk_size])
+    def prefill(self, request: Request, chunk_size: int) -> Cache:
+        """A cache holding all but the last prompt token of `request`, computed in chunks that
+        end at its checkpoints, from a prefix-cache hit when there is one."""
+        prompt = request.prompt_token_ids
+        hit = None
+        if self.prefix_cache is not None:
+            hit = self.prefix_cache.match(prompt, limit=len(prompt) - 1)
+            request.num_cached_tokens = hit.length
+        cache = start_cache(self.model, None, hit)
+        start = hit.length if hit is not None else 0
+        while start < len(prompt) - 1:
+            end = min(len(prompt) - 1, start + chunk_size)
+            end = next((c for c in request.checkpoints if start < c < end), end)
+            prefill(self.model, cache, prompt[start:end])
+            if end in request.checkpoints:
+                remember(self.prefix_cache, prompt[:end], cache, hybrid=self.hybrid)
+            start = end
+        remember(self.prefix_cache, prompt[:-1], cache, hybrid=self.hybrid)
         return cache
+
+    def finished(self, seq: Sequence, cache: Cache) -> None:
+        """Keep a sequence that ended normally (its computed tokens) in the prefix cache."""
+        if self.prefix_cache is not None and seq.status in _KEPT:
+            tokens = seq.request.prompt_token_ids + tuple(seq.output_token_ids)
+            remember(
+                self.prefix_cache, tokens[: seq.num_computed_tokens], cache, hybrid=self.hybrid
+            )
 
     def step(self, cache: Cache, seqs: list[Sequence]) -> list[Sampled]:
         """Feed each sequence's last token (one shared cache, so one sequence) and sample."""

@@ -1,9 +1,20 @@
 """Continuous-batching policy: who runs this step, and how many tokens each computes.
 
-Pure policy over `engine.request` state: no arrays, no model, so it is tested without MLX.
-Each step every running sequence that has caught up decodes one token; the rest of the
-per-step token budget goes to prefill chunks, first to requests already prefilling, then to
-newly admitted ones in arrival order while sequence slots remain.
+Policy over `engine.request` state: no model, so it is tested without one. Each step every
+running sequence that has caught up decodes one token; the rest of the per-step token budget
+goes to prefill chunks, first to requests already prefilling, then to newly admitted ones in
+arrival order while sequence slots and memory remain.
+
+- While any sequence decodes, prefill gets at most `prefill_chunk_tokens` a step, so a long
+  prompt arriving never stalls the running streams for long.
+- A chunk ends at the request's next checkpoint (a boundary its recurrent state is worth
+  keeping at, on a hybrid model), so the runner can snapshot it there.
+- At admission a request is matched against the prefix cache: its sequences start with the
+  hit already computed (`num_computed_tokens`), and the hit is held (locked) until the runner
+  has seeded the request's cache from it.
+- Memory: a batch holds every row at the length of its longest one, so admission waits while
+  rows × longest × bytes per token (plus recurrent state per row) would not fit beside the
+  prefix cache, evicting cache entries first.
 """
 
 from __future__ import annotations
@@ -11,8 +22,30 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.prefix_cache import PrefixCache
 from engine.protocol import RequestStatus
 from engine.request import Request, Sequence
+
+# A batch cache grows in steps of this many tokens (mlx-lm's BatchKVCache.step).
+CACHE_STEP_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What the running sequences and the prefix cache may hold together, in bytes."""
+
+    max_bytes: int
+    bytes_per_token: int
+    bytes_per_sequence: int = 0
+
+    def need(self, num_rows: int, longest: int) -> int:
+        length = -(-longest // CACHE_STEP_TOKENS) * CACHE_STEP_TOKENS
+        return num_rows * (length * self.bytes_per_token + self.bytes_per_sequence)
+
+    def max_tokens(self) -> int:
+        """The most tokens one sequence can ever hold."""
+        room = self.max_bytes - self.bytes_per_sequence
+        return max(0, room // max(1, self.bytes_per_token) - CACHE_STEP_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -43,12 +76,24 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk_tokens: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+        memory: MemoryBudget | None = None,
+    ):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             # Every running sequence must be able to decode each step.
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prefill tokens per step while sequences decode (None: the whole budget).
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefix_cache = prefix_cache
+        self.memory = memory
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -77,6 +122,8 @@ class Scheduler:
                     assert seq.num_uncomputed_tokens == 1, seq.seq_id
                     output.decode.append(seq)
         budget -= len(output.decode)
+        if output.decode and self.prefill_chunk_tokens:
+            budget = min(budget, self.prefill_chunk_tokens)
 
         for request in self.running:
             if budget == 0:
@@ -91,15 +138,42 @@ class Scheduler:
             request = self.waiting[0]
             if num_seqs + len(request.sequences) > self.max_num_seqs:
                 break  # first come, first served: nobody overtakes the head of the queue
+            if not self._fits(request, num_seqs):
+                break
             self.waiting.popleft()
             self.running.append(request)
             for seq in request.sequences:
                 seq.status = RequestStatus.RUNNING
             num_seqs += len(request.sequences)
+            self._match(request)
             chunk = self._chunk(request, budget)
             output.prefill.append(chunk)
             budget -= chunk.num_tokens
         return output
+
+    def _match(self, request: Request) -> None:
+        if self.prefix_cache is None:
+            return
+        hit = self.prefix_cache.match(request.prompt_token_ids, limit=request.num_prompt_tokens - 1)
+        if hit.length:
+            self.prefix_cache.lock(hit)  # until the runner has seeded the request's cache
+            request.prefix_hit = hit
+            for seq in request.sequences:
+                seq.num_computed_tokens = hit.length
+
+    def _fits(self, request: Request, num_seqs: int) -> bool:
+        """Whether admitting `request` keeps the batch and the prefix cache within memory;
+        cache entries are evicted first. With nothing running a request is always admitted:
+        validation refused the ones that can never fit."""
+        if self.memory is None or not self.running:
+            return True
+        longest = max(r.num_prompt_tokens + r.max_tokens for r in [*self.running, request])
+        need = self.memory.need(num_seqs + len(request.sequences), longest)
+        cached = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+        over = need + cached - self.memory.max_bytes
+        if over > 0 and cached:
+            over -= self.prefix_cache.evict(over)
+        return over <= 0
 
     def decodes_only_after(self, plan: SchedulerOutput) -> bool:
         """Whether the step after `plan`, unless requests arrive or stop early, decodes the same
@@ -120,7 +194,10 @@ class Scheduler:
         if not lead.is_prefilling:
             return None
         start = lead.num_computed_tokens
-        return PrefillChunk(request, start, min(request.num_prompt_tokens - start, budget))
+        end = min(request.num_prompt_tokens, start + budget)
+        # End at the next checkpoint, so its state can be kept there.
+        end = next((c for c in request.checkpoints if start < c < end), end)
+        return PrefillChunk(request, start, end - start)
 
     def remove(self, request_id: str) -> Request | None:
         """Take a request out (finished or aborted); None when it is not here."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from engine.loop import DRAIN, STOP, EngineLoop, describe, end_queued
+from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe, end_queued
 from engine.protocol import RequestStatus
 from engine.request import Request
 from engine.runner import SequenceRunner
@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 
 class SimpleEngine(EngineLoop):
     def setup(self) -> None:
-        self.runner = SequenceRunner(self.loaded.model)
+        self.setup_caches()
+        hybrid = self.layout is not None and self.layout.hybrid
+        self.runner = SequenceRunner(self.loaded.model, self.prefix_cache, hybrid=hybrid)
         self._pending: deque[Request] = deque()
         self._stopping = False
 
@@ -45,9 +47,10 @@ class SimpleEngine(EngineLoop):
     def generate(self, request: Request) -> None:
         """Run a request to its end, its choices one after another; aborts checked per token."""
         for seq in request.sequences:
-            cache = self.runner.prefill(request.prompt_token_ids, self.spec.max_num_batched_tokens)
+            # Each choice after the first finds the prompt in the prefix cache.
+            cache = self.runner.prefill(request, self.spec.max_num_batched_tokens)
             seq.num_computed_tokens = request.num_prompt_tokens - 1
-            self._meter.num_prompt_tokens += request.num_prompt_tokens
+            self._meter.num_prompt_tokens += request.num_prompt_tokens - request.num_cached_tokens
             while not seq.status.is_finished:
                 if self._poll(current=request, block=False):
                     self.finish(request, RequestStatus.FINISHED_ABORTED)
@@ -55,6 +58,7 @@ class SimpleEngine(EngineLoop):
                 (sampled,) = self.runner.step(cache, [seq])
                 seq.num_computed_tokens += 1
                 self.accept(sampled)
+            self.runner.finished(seq, cache)
 
     def _poll(self, *, current: Request | None, block: bool) -> bool:
         """Apply inbox commands; True when `current` must stop (aborted, or engine stopping)."""
@@ -65,6 +69,8 @@ class SimpleEngine(EngineLoop):
                 stop_current = True
             elif kind is DRAIN:
                 self._draining = True
+            elif kind is CLEAR:
+                self._clear_prefix_cache(payload)
             elif kind == "add":
                 request = self.admit(payload)
                 if request is not None:

@@ -87,6 +87,10 @@ class Collector:
     def finish_reason(self, request_id: str, index: int = 0) -> str | None:
         return self.events[(request_id, index)][-1].finish_reason
 
+    def cached(self, request_id: str, index: int = 0) -> int:
+        """The prompt tokens the prefix cache provided (as the first output reports them)."""
+        return self.events[(request_id, index)][0].num_cached_tokens
+
 
 def run_batched(
     loaded: LoadedModel,
@@ -95,7 +99,13 @@ def run_batched(
     **spec_kwargs,
 ) -> Collector:
     """Run requests on a manually stepped BatchedEngine; request i joins before step join_at[i]."""
-    engine = manual_engine(loaded, BatchedEngine, **spec_kwargs)
+    return drive(manual_engine(loaded, BatchedEngine, **spec_kwargs), requests, join_at)
+
+
+def drive(
+    engine: BatchedEngine, requests: list[GenerationRequest], join_at: list[int] | None = None
+) -> Collector:
+    """Step `engine` until `requests` (request i joining before step join_at[i]) are done."""
     collector = Collector()
     join_at = join_at or [0] * len(requests)
     step = 0
@@ -113,8 +123,10 @@ def run_batched(
     return collector
 
 
-def run_simple(loaded: LoadedModel, requests: list[GenerationRequest]) -> Collector:
-    engine = manual_engine(loaded, SimpleEngine)
+def run_simple(
+    loaded: LoadedModel, requests: list[GenerationRequest], engine: SimpleEngine | None = None
+) -> Collector:
+    engine = engine or manual_engine(loaded, SimpleEngine)
     collector = Collector()
     for request in requests:
         engine.generate(engine.make_request(request, collector.emit_for(request.request_id)))

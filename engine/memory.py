@@ -1,0 +1,57 @@
+"""How much of the machine a model's engine may use for its caches, and the prefix cache in it.
+
+The budget covers the running sequences' caches and the prefix cache together; the model's
+weights are outside it. By default it is a share of the device's memory (Metal's recommended
+working set, or the machine's RAM on CPU) less the weights; a model's registry entry can set it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+
+# isort: split
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from engine.caches import CacheLayout
+from engine.prefix_cache import PrefixCache
+from engine.protocol import ModelSpec
+from engine.scheduler import MemoryBudget
+
+DEVICE_SHARE = 0.6  # of the device's memory, for weights and caches together
+MIN_BUDGET_BYTES = 256 << 20
+PREFIX_CACHE_SHARE = 0.25  # of the budget, by default
+
+
+def device_memory_bytes() -> int:
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def weights_bytes(model: nn.Module) -> int:
+    return sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+
+
+def plan_memory(
+    spec: ModelSpec, model: nn.Module, layout: CacheLayout | None
+) -> tuple[MemoryBudget | None, PrefixCache | None]:
+    """The budget and prefix cache for a model (none without a cache layout Orchard can
+    measure and slice)."""
+    if layout is None:
+        return None, None
+    total = spec.memory_budget_bytes
+    if total is None:
+        total = int(device_memory_bytes() * DEVICE_SHARE) - weights_bytes(model)
+    total = max(total, MIN_BUDGET_BYTES)
+    budget = MemoryBudget(total, layout.kv_bytes_per_token, layout.state_bytes_per_sequence)
+    cache_bytes = spec.prefix_cache_bytes
+    if cache_bytes is None:
+        cache_bytes = int(total * PREFIX_CACHE_SHARE)
+    cache = PrefixCache(max_bytes=cache_bytes, hybrid=layout.hybrid) if cache_bytes else None
+    return budget, cache

@@ -1,0 +1,305 @@
+"""The prefix cache: computed prompt state, reused by any later sequence that starts the same way.
+
+A radix tree over token ids (SGLang's radix cache): each node holds the tokens of its edge and,
+for every attention layer, the keys and values of those tokens; a hybrid model's recurrent
+(ArraysCache) layers hold fixed-size state instead, which cannot be cut per token, so a node may
+also carry a snapshot of that state *at its end*. A match walks the tree: on a dense model any
+prefix is usable (a partial edge is sliced); on a hybrid model only a node end with a snapshot
+is, so a prefix without one is a shorter hit or a miss, never a wrong one.
+
+Memory: every byte is counted; the cache never holds more than its budget, evicting the least
+recently used leaves that no running request holds (`lock`). Entries are copies, so a request
+seeded from the cache shares nothing with it and eviction can never change a running request.
+
+Pure bookkeeping over arrays handed in: it never runs a model, so it is tested without one.
+Only the engine thread of one model uses an instance.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+
+# isort: split
+import mlx.core as mx
+
+# Per layer, for a span of tokens: (keys, values) with tokens on axis 2 for an attention layer,
+# None for a recurrent one.
+LayerKV = list[tuple[mx.array, mx.array] | None]
+# Per layer: the recurrent state arrays for a recurrent layer, None for an attention layer.
+LayerState = list[tuple[mx.array, ...] | None]
+# Copies (start, end) of a sequence's keys and values out of the cache that computed them.
+KVSource = Callable[[int, int], LayerKV]
+
+
+def _nbytes(arrays) -> int:
+    return sum(a.nbytes for layer in arrays if layer is not None for a in layer)
+
+
+def _own(array: mx.array) -> mx.array:
+    # A copy, never a view: a view would keep a running batch's whole buffer alive.
+    return mx.contiguous(array)
+
+
+def _settle(*groups) -> None:
+    # Compute stored copies now: a lazy copy would keep its whole source alive until used.
+    mx.async_eval([a for group in groups if group for layer in group if layer for a in layer])
+
+
+def _slice(kv: LayerKV, start: int, end: int) -> LayerKV:
+    return [
+        None
+        if layer is None
+        else (_own(layer[0][..., start:end, :]), _own(layer[1][..., start:end, :]))
+        for layer in kv
+    ]
+
+
+@dataclass(eq=False)
+class _Node:
+    tokens: tuple[int, ...]
+    kv: LayerKV
+    parent: _Node | None = None
+    children: dict[int, _Node] = field(default_factory=dict)
+    state: LayerState | None = None  # recurrent state at this node's end (hybrid models)
+    depth: int = 0  # tokens from the root to this node's end
+    locks: int = 0
+    last_used: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.kv) + (_nbytes(self.state) if self.state else 0)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What a match found: the first `length` tokens' keys and values per attention layer and,
+    on a hybrid model, the recurrent state after them. The arrays are taken at match time
+    (lazily: nothing is computed until the request's cache is seeded), so later inserts and
+    splits cannot change them; `node` is where the hit ends, for `lock`/`unlock`."""
+
+    length: int
+    kv: LayerKV = field(default_factory=list)
+    state: LayerState | None = None
+    node: _Node | None = None
+
+
+MISS = PrefixHit(0)
+
+
+def _gather(path: list[tuple[_Node, int]]) -> LayerKV:
+    layers: LayerKV = []
+    for index, first in enumerate(path[0][0].kv):
+        if first is None:
+            layers.append(None)
+            continue
+        parts = [(node.kv[index], take) for node, take in path]
+        keys = mx.concatenate([kv[0][..., :take, :] for kv, take in parts], axis=2)
+        values = mx.concatenate([kv[1][..., :take, :] for kv, take in parts], axis=2)
+        layers.append((keys, values))
+    return layers
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0  # prompt tokens not recomputed thanks to the cache
+    inserted_tokens: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    nodes: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class PrefixCache:
+    """match / lock / unlock / insert / evict / clear, with byte accounting (module docstring).
+
+    `hybrid`: the model has recurrent layers, so only node ends with a state snapshot can be
+    resumed from."""
+
+    def __init__(self, *, max_bytes: int, hybrid: bool = False):
+        self.max_bytes = max_bytes
+        self.hybrid = hybrid
+        self._root = _Node((), [])
+        self._clock = itertools.count(1)
+        self._bytes = 0
+        self._nodes = 0
+        self._counts = dict.fromkeys(
+            ("lookups", "hits", "hit_tokens", "inserted_tokens", "evictions", "evicted_bytes"), 0
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            **self._counts, nodes=self._nodes, bytes=self._bytes, max_bytes=self.max_bytes
+        )
+
+    def match(self, tokens: Sequence[int], *, limit: int) -> PrefixHit:
+        """The longest cached prefix of `tokens` usable to resume from, at most `limit` tokens
+        (a prompt resumes at most one token before its end: that token gives the first output)."""
+        self._counts["lookups"] += 1
+        limit = min(limit, len(tokens))
+        node, position, path = self._root, 0, []
+        resumable = (0, 0)  # (length, path entries) of the deepest usable point
+        while position < limit:
+            child = node.children.get(tokens[position])
+            if child is None:
+                break
+            common = _common(child.tokens, tokens, position, limit)
+            if common < len(child.tokens):
+                if not self.hybrid:
+                    path.append((child, common))
+                    resumable = (position + common, len(path))
+                break
+            path.append((child, common))
+            position += common
+            node = child
+            if not self.hybrid or child.state is not None:
+                resumable = (position, len(path))
+        length, depth = resumable
+        if not length:
+            return MISS
+        path = path[:depth]
+        now = next(self._clock)
+        for entry, _ in path:
+            entry.last_used = now
+        self._counts["hits"] += 1
+        self._counts["hit_tokens"] += length
+        end = path[-1][0]
+        return PrefixHit(length, _gather(path), end.state if self.hybrid else None, end)
+
+    def lock(self, hit: PrefixHit) -> None:
+        """Keep the hit's entries from eviction until `unlock` (while a request holds it)."""
+        for node in _ancestors(hit.node):
+            node.locks += 1
+
+    def unlock(self, hit: PrefixHit) -> None:
+        # Along the current ancestors: a split since `lock` put its upper half (which took
+        # over the locks) on the path.
+        for node in _ancestors(hit.node):
+            node.locks -= 1
+
+    def insert(
+        self, tokens: Sequence[int], source: KVSource, state: LayerState | None = None
+    ) -> None:
+        """Store the computed state of `tokens`: `source(start, end)` copies the keys and values
+        of the tokens the tree does not hold yet; `state` is the recurrent state after the
+        last token (hybrid models: required for the entry to be resumable)."""
+        tokens = tuple(tokens)
+        if not tokens or (self.hybrid and state is None):
+            return
+        node, position = self._root, 0
+        now = next(self._clock)
+        while position < len(tokens):
+            child = node.children.get(tokens[position])
+            if child is None:
+                break
+            common = _common(child.tokens, tokens, position, len(tokens))
+            if common < len(child.tokens):
+                if position + common < len(tokens) or state is not None:
+                    child = self._split(child, common)
+                else:
+                    child.last_used = now
+                    return  # already inside an edge: nothing new to keep
+            child.last_used = now
+            position += len(child.tokens)
+            node = child
+        if position < len(tokens):
+            new = _Node(tokens[position:], source(position, len(tokens)), parent=node)
+            _settle(new.kv)
+            new.depth, new.last_used = len(tokens), now
+            node.children[tokens[position]] = new
+            self._add(new.nbytes, nodes=1)
+            self._counts["inserted_tokens"] += len(new.tokens)
+            node = new
+        if state is not None:
+            self._add(-_nbytes(node.state) if node.state else 0)
+            node.state = [None if s is None else tuple(_own(a) for a in s) for s in state]
+            _settle(node.state)
+            self._add(_nbytes(node.state))
+        self._fit(self.max_bytes)
+
+    def evict(self, num_bytes: int) -> int:
+        """Free at least `num_bytes` if unlocked entries allow; returns the bytes freed."""
+        before = self._bytes
+        self._fit(max(0, self._bytes - num_bytes))
+        return before - self._bytes
+
+    def clear(self) -> int:
+        """Drop every entry no request holds; returns the bytes freed."""
+        return self.evict(self._bytes)
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut `node`'s edge after `at` tokens; return the new upper half."""
+        parent = node.parent
+        upper = _Node(node.tokens[:at], _slice(node.kv, 0, at), parent=parent)
+        upper.depth = node.depth - len(node.tokens) + at
+        upper.last_used, upper.locks = node.last_used, node.locks
+        lower_kv = _slice(node.kv, at, len(node.tokens))
+        _settle(upper.kv, lower_kv)
+        self._add(upper.nbytes + _nbytes(lower_kv) - _nbytes(node.kv), nodes=1)
+        node.tokens, node.kv, node.parent = node.tokens[at:], lower_kv, upper
+        upper.children[node.tokens[0]] = node
+        parent.children[upper.tokens[0]] = upper
+        return upper
+
+    def _fit(self, max_bytes: int) -> None:
+        while self._bytes > max_bytes:
+            victim = self._lru_leaf()
+            if victim is None:
+                return  # everything left is held by running requests
+            self._remove(victim)
+
+    def _lru_leaf(self) -> _Node | None:
+        best = None
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif not node.locks and (best is None or node.last_used < best.last_used):
+                best = node
+        return best
+
+    def _remove(self, node: _Node) -> None:
+        freed = node.nbytes
+        del node.parent.children[node.tokens[0]]
+        self._add(-freed, nodes=-1)
+        self._counts["evictions"] += 1
+        self._counts["evicted_bytes"] += freed
+        parent = node.parent
+        # On a hybrid model, an internal node left without children or a snapshot can never be
+        # resumed from: it goes too.
+        if self.hybrid and parent is not self._root and not parent.children and not parent.state:
+            if not parent.locks:
+                self._remove(parent)
+
+    def _add(self, num_bytes: int, *, nodes: int = 0) -> None:
+        self._bytes += num_bytes
+        self._nodes += nodes
+
+
+def _common(edge: tuple[int, ...], tokens: Sequence[int], start: int, end: int) -> int:
+    """How many of `edge`'s tokens equal tokens[start:end] from the start."""
+    limit = min(len(edge), end - start)
+    count = 0
+    while count < limit and edge[count] == tokens[start + count]:
+        count += 1
+    return count
+
+
+def _ancestors(node: _Node | None):
+    while node is not None and node.parent is not None:
+        yield node
+        node = node.parent
