@@ -128,7 +128,7 @@ async def engine_run(client, concurrency: int, per_client: int, max_tokens: int)
     tag = uuid.uuid4().hex[:8]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [
-        await client.render_prompt(MODEL, PromptInput(messages=tuple(messages(tag, i))))
+        (await client.render_prompt(MODEL, PromptInput(messages=tuple(messages(tag, i))))).token_ids
         for i in range(concurrency * per_client)
     ]
 

@@ -63,6 +63,7 @@ class BatchedEngine(EngineLoop):
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         # All choices of a request run together, so more than the batch holds could never start.
+        info = super().serving_info(info)
         return dataclasses.replace(info, max_choices=min(info.max_choices, self.spec.max_num_seqs))
 
     def step(self) -> None:

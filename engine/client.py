@@ -17,6 +17,7 @@ from engine.protocol import (
     ModelSpec,
     ModelStatus,
     PromptInput,
+    RenderedPrompt,
 )
 
 
@@ -35,7 +36,13 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def model_status(self, name: str) -> ModelStatus:
-        """Where a model stands (serving, loading, its last load error), without waiting."""
+        """Where a model stands (serving, loading, its last load error, its engine's stats with
+        the prefix cache's), without waiting."""
+
+    @abc.abstractmethod
+    def clear_prefix_cache(self, name: str, timeout: float = 30.0) -> int:
+        """Empty a model's prefix cache and return its memory to the system; the bytes freed
+        (0 when the model is not loaded). Waits at most `timeout` seconds for its engine."""
 
     @abc.abstractmethod
     def start_loading(self, spec: ModelSpec, *, force: bool = False) -> None:
@@ -51,11 +58,11 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def render_prompt(
         self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
-    ) -> list[int]:
+    ) -> RenderedPrompt:
         """Token ids for a prompt: chat messages through the model's chat template (with `tools`
         and `chat_template_kwargs`, whose server-owned keys are refused), text through the
-        tokenizer, or token ids as they are. A render running past `timeout_s` is stopped with
-        InvalidRequestError."""
+        tokenizer, or token ids as they are; for a chat on a hybrid model, also its checkpoints.
+        A render running past `timeout_s` is stopped with InvalidRequestError."""
 
     @abc.abstractmethod
     async def detokenize(self, model: str, token_ids: list[int]) -> str:

@@ -27,9 +27,11 @@ from engine.protocol import (
     GenerationRequest,
     InvalidRequestError,
     ModelInfo,
+    ModelNotLoadedError,
     ModelSpec,
     ModelStatus,
     PromptInput,
+    RenderedPrompt,
 )
 from engine.templates import ERROR_TIMEOUT, apply_chat_template, with_deadline
 from engine.worker import EngineWorker
@@ -94,6 +96,13 @@ class LocalEngineClient(EngineClient):
     def model_status(self, name: str) -> ModelStatus:
         return self.worker.status(name)
 
+    def clear_prefix_cache(self, name: str, timeout: float = 30.0) -> int:
+        try:
+            engine = self.worker.get(name)
+        except ModelNotLoadedError:
+            return 0
+        return engine.clear_prefix_cache().result(timeout)
+
     def start_loading(self, spec: ModelSpec, *, force: bool = False) -> None:
         def report(future: concurrent.futures.Future) -> None:
             if not future.cancelled() and future.exception() is not None:
@@ -106,18 +115,17 @@ class LocalEngineClient(EngineClient):
 
     async def render_prompt(
         self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
-    ) -> list[int]:
-        tokenizer = self.worker.get(model).loaded.tokenizer
+    ) -> RenderedPrompt:
+        engine = self.worker.get(model)
+        tokenizer, checkpoints = engine.loaded.tokenizer, engine.info.hybrid
         # Tokenizers and templates only: no MLX off the engine thread.
         loop = asyncio.get_running_loop()
+        work = functools.partial(_render, tokenizer, prompt, checkpoints=checkpoints)
         if timeout_s is None:
-            return await loop.run_in_executor(self._render_pool, _render, tokenizer, prompt)
+            return await loop.run_in_executor(self._render_pool, work)
         param = "messages" if prompt.messages is not None else "prompt"
         render = loop.run_in_executor(
-            self._render_pool,
-            functools.partial(
-                with_deadline, lambda: _render(tokenizer, prompt), timeout_s, param=param
-            ),
+            self._render_pool, functools.partial(with_deadline, work, timeout_s, param=param)
         )
         try:
             # The deadline stops Python code; this stops waiting for C code that runs on.
@@ -170,18 +178,15 @@ class LocalEngineClient(EngineClient):
         self._render_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _render(tokenizer, prompt: PromptInput) -> list[int]:
+def _render(tokenizer, prompt: PromptInput, *, checkpoints: bool = False) -> RenderedPrompt:
     if prompt.token_ids is not None:
-        return list(prompt.token_ids)
+        return RenderedPrompt(tuple(prompt.token_ids))
     if prompt.messages is not None:
         try:
-            return apply_chat_template(
-                tokenizer,
-                prompt.messages,
-                tools=prompt.tools,
-                add_generation_prompt=prompt.add_generation_prompt,
-                chat_template_kwargs=prompt.chat_template_kwargs,
-            )
+            ids = _chat(tokenizer, prompt, prompt.messages, prompt.add_generation_prompt)
+            if not checkpoints:
+                return RenderedPrompt(tuple(ids))
+            return RenderedPrompt(tuple(ids), _checkpoints(tokenizer, prompt, ids))
         except InvalidRequestError:
             raise
         except Exception as exc:
@@ -193,5 +198,42 @@ def _render(tokenizer, prompt: PromptInput) -> list[int]:
                 f"The messages could not be rendered by the chat template: {exc}", param="messages"
             ) from exc
     if prompt.text is not None:
-        return list(tokenizer.encode(prompt.text))
+        return RenderedPrompt(tuple(tokenizer.encode(prompt.text)))
     raise InvalidRequestError("A prompt needs messages, text or token ids.", param="prompt")
+
+
+def _chat(tokenizer, prompt: PromptInput, messages, add_generation_prompt: bool) -> list[int]:
+    return apply_chat_template(
+        tokenizer,
+        messages,
+        tools=prompt.tools,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=prompt.chat_template_kwargs,
+    )
+
+
+def _checkpoints(tokenizer, prompt: PromptInput, ids: list[int]) -> tuple[int, ...]:
+    """Where a later request is likely to resume: after the system messages (and the tools the
+    template puts there), and after the conversation before the last user turn.
+
+    Rendering those messages alone would not do: templates render a conversation's last
+    message differently (Qwen3 gives a final assistant turn an empty think block). So each
+    boundary is where the prompt parts from the same conversation cut there and followed by
+    an empty user turn: both have the same shape up to the new turn's text."""
+    messages = prompt.messages
+    num_system = next(
+        (i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages)
+    )
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
+    points = set()
+    for end in {num_system, last_user}:
+        if 0 < end < len(messages):
+            variant = [*messages[:end], {"role": "user", "content": ""}]
+            other = _chat(tokenizer, prompt, variant, add_generation_prompt=False)
+            common = next(
+                (i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b),
+                min(len(ids), len(other)),
+            )
+            if 0 < common < len(ids) - 1:
+                points.add(common)
+    return tuple(sorted(points))

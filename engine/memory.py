@@ -48,7 +48,7 @@ def plan_memory(
     total = spec.memory_budget_bytes
     if total is None:
         total = int(device_memory_bytes() * DEVICE_SHARE) - weights_bytes(model)
-    total = max(total, MIN_BUDGET_BYTES)
+        total = max(total, MIN_BUDGET_BYTES)
     budget = MemoryBudget(total, layout.kv_bytes_per_token, layout.state_bytes_per_sequence)
     cache_bytes = spec.prefix_cache_bytes
     if cache_bytes is None:

@@ -151,6 +151,7 @@ class ModelStatus:
     error: str | None = None
     failed_at: float | None = None  # Unix time of the failure
     failed_spec: ModelSpec | None = None
+    stats: EngineStats | None = None  # of the serving engine
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,15 @@ class PromptInput:
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt's token ids, and the positions worth resuming from later (see
+    GenerationRequest.checkpoints; computed only for models that need them)."""
+
+    token_ids: tuple[int, ...]
+    checkpoints: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

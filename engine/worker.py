@@ -171,6 +171,7 @@ class EngineWorker:
             error=failure.error if failure is not None else None,
             failed_at=failure.at if failure is not None else None,
             failed_spec=failure.spec if failure is not None else None,
+            stats=current.stats() if current is not None and current.is_serving else None,
         )
 
     def unload(self, name: str) -> None:

@@ -46,18 +46,36 @@ class WideListMixin:
 
 @admin.register(ModelEntry)
 class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
-    list_display = ["name", "enabled", "is_default", "engine", "context", "status", "updated_at"]
+    list_display = ["name", "enabled", "is_default", "engine", "context", "status", "cache"]
     list_editable = ["enabled"]
     list_filter = ["enabled", "engine"]
     search_fields = ["name", "path"]
-    actions = ["enable", "disable", "make_default", "reload"]
-    readonly_fields = ["is_default", "status", "load_error", "created_at", "updated_at"]
+    actions = ["enable", "disable", "make_default", "reload", "clear_cache"]
+    readonly_fields = [
+        "is_default",
+        "status",
+        "load_error",
+        "cache_stats",
+        "created_at",
+        "updated_at",
+    ]
     fieldsets = [
         (None, {"fields": ["name", "path", "enabled", "is_default", "engine"]}),
         ("Engine", {"fields": ["status", "load_error"]}),
         ("Parsers", {"fields": ["tool_parser", "reasoning_parser"]}),
         ("Generation", {"fields": ["context_length", "default_sampling"]}),
         ("Batching", {"fields": ["max_num_seqs", "max_num_batched_tokens", "max_waiting"]}),
+        (
+            "Memory and prefix cache",
+            {
+                "fields": [
+                    "prefill_chunk_tokens",
+                    "memory_budget_bytes",
+                    "prefix_cache_bytes",
+                    "cache_stats",
+                ]
+            },
+        ),
         (None, {"fields": ["created_at", "updated_at"]}),
     ]
 
@@ -91,6 +109,38 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
             return "-"
         when = datetime.datetime.fromtimestamp(status.failed_at, tz=datetime.UTC)
         return f"{status.error} (at {when:%Y-%m-%d %H:%M:%S} UTC, path {status.failed_spec.path})"
+
+    @admin.display(description="prefix cache")
+    def cache(self, obj: ModelEntry) -> str:
+        stats = self._cache_stats(obj)
+        if stats is None:
+            return "-"
+        rate = f", {stats['hits'] / stats['lookups']:.0%} hits" if stats["lookups"] else ""
+        return f"{_megabytes(stats['bytes'])} of {_megabytes(stats['max_bytes'])}{rate}"
+
+    @admin.display(description="prefix cache statistics")
+    def cache_stats(self, obj: ModelEntry) -> str:
+        stats = self._cache_stats(obj)
+        if stats is None:
+            return "- (the model is not loaded in this process, or has no prefix cache)"
+        return (
+            f"{stats['nodes']:,} entries, {_megabytes(stats['bytes'])} of "
+            f"{_megabytes(stats['max_bytes'])}; {stats['lookups']:,} lookups, "
+            f"{stats['hits']:,} hits, {stats['hit_tokens']:,} prompt tokens not recomputed; "
+            f"{stats['evictions']:,} evictions ({_megabytes(stats['evicted_bytes'])})"
+        )
+
+    def _cache_stats(self, obj: ModelEntry) -> dict | None:
+        if obj.pk is None:
+            return None
+        status = get_engine_client().model_status(obj.name)
+        return status.stats.prefix_cache if status.stats and status.stats.prefix_cache else None
+
+    @admin.action(description="Clear the prefix cache of selected models", permissions=["change"])
+    def clear_cache(self, request, queryset):
+        client = get_engine_client()
+        freed = sum(client.clear_prefix_cache(entry.name) for entry in queryset)
+        self.message_user(request, f"Freed {_megabytes(freed)} of prefix cache.")
 
     @admin.action(
         description="Reload selected models (retries a failed load)", permissions=["change"]
@@ -130,6 +180,10 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
             return
         model_set_default(entry=entry)
         self.message_user(request, f"{entry} is now the default model.")
+
+
+def _megabytes(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:,.1f} MB"
 
 
 class CappedCountPaginator(Paginator):

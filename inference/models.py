@@ -44,6 +44,23 @@ class ModelEntry(models.Model):
     max_num_seqs = models.PositiveIntegerField(default=16)
     max_num_batched_tokens = models.PositiveIntegerField(default=2048)
     max_waiting = models.PositiveIntegerField(default=256)
+    prefill_chunk_tokens = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Prompt tokens per step while other requests are generating. Empty: sized "
+        "from the measured prefill speed, so running streams keep flowing.",
+    )
+    memory_budget_bytes = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="Bytes for the running requests' caches and the prefix cache together. "
+        "Empty: 60% of the device's memory less the weights.",
+    )
+    prefix_cache_bytes = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="The prefix cache's share of the memory budget. Empty: a quarter; 0: off.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -42,6 +42,7 @@ from engine.protocol import (
     ModelLoadError,
     ModelNotLoadedError,
     PromptInput,
+    RenderedPrompt,
     SamplingParams,
     validate_generation,
 )
@@ -163,12 +164,13 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
     async with _render_slot(api_key):
         prompts = [await _render(entry.name, p, call.prompt_param) for p in call.prompts]
     requests = []
-    for index, prompt_ids in enumerate(prompts):
+    for index, rendered in enumerate(prompts):
         request = GenerationRequest(
             request_id if len(prompts) == 1 else f"{request_id}-{index}",
             entry.name,
-            tuple(prompt_ids),
-            _fit_to_context(sampling, size_limit, len(prompt_ids), info),
+            rendered.token_ids,
+            _fit_to_context(sampling, size_limit, len(rendered.token_ids), info),
+            rendered.checkpoints,
         )
         try:
             validate_generation(request, info, prompt_param=call.prompt_param)
@@ -178,8 +180,10 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
     prompt_texts = None
     if call.echo:
         prompt_texts = [
-            prompt.text if prompt.text is not None else await _detokenize(entry.name, ids)
-            for prompt, ids in zip(call.prompts, prompts, strict=True)
+            prompt.text
+            if prompt.text is not None
+            else await _detokenize(entry.name, list(rendered.token_ids))
+            for prompt, rendered in zip(call.prompts, prompts, strict=True)
         ]
     execution = Execution(
         api_key=api_key,
@@ -208,9 +212,9 @@ async def _serving_model(entry: ModelEntry) -> ModelInfo:
         ) from None
 
 
-async def _render(model: str, prompt: PromptInput, param: str) -> list[int]:
+async def _render(model: str, prompt: PromptInput, param: str) -> RenderedPrompt:
     try:
-        token_ids = await get_engine_client().render_prompt(
+        rendered = await get_engine_client().render_prompt(
             model, prompt, timeout_s=settings.ORCHARD_RENDER_TIMEOUT_SECONDS
         )
     except InvalidRequestError as exc:
@@ -219,7 +223,7 @@ async def _render(model: str, prompt: PromptInput, param: str) -> list[int]:
         raise APIError(400, str(exc), param=named) from None
     except ModelNotLoadedError as exc:
         raise APIError(503, ERROR_RELOADING, code=exc.code) from None
-    return token_ids
+    return rendered
 
 
 async def _detokenize(model: str, token_ids: list[int]) -> str:

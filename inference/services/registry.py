@@ -56,6 +56,9 @@ def model_spec(entry: ModelEntry) -> ModelSpec:
         max_num_seqs=entry.max_num_seqs,
         max_num_batched_tokens=entry.max_num_batched_tokens,
         max_waiting=entry.max_waiting,
+        prefill_chunk_tokens=entry.prefill_chunk_tokens,
+        memory_budget_bytes=entry.memory_budget_bytes,
+        prefix_cache_bytes=entry.prefix_cache_bytes,
     )
 
 

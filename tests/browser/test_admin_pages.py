@@ -156,3 +156,28 @@ def test_a_model_that_cannot_load_is_a_503_and_the_admin_says_so(
         "load failed"
         in admin_page.locator("#result_list tbody tr", has_text="never-loads").inner_text()
     )
+
+
+def test_staff_see_a_models_prefix_cache_and_can_clear_it(
+    admin_page, live_server_url, tiny_model_path
+):
+    model_register(name="cached-model", path=tiny_model_path)
+    client = openai_client(live_server_url)
+    messages = [{"role": "user", "content": "A long question about apples. " * 20}]
+    for _ in range(2):
+        client.chat.completions.create(model="cached-model", messages=messages, max_tokens=2)
+    admin_page.goto(f"{live_server_url}/admin/inference/modelentry/")
+    row = admin_page.locator("#result_list tbody tr", has_text="cached-model")
+    assert "50% hits" in row.inner_text()  # the second request hit, the first missed
+    entry = ModelEntry.objects.get(name="cached-model")
+    admin_page.goto(f"{live_server_url}/admin/inference/modelentry/{entry.pk}/change/")
+    stats = admin_page.locator(".field-cache_stats .readonly").inner_text()
+    assert "2 lookups, 1 hits" in stats and "0 evictions" in stats
+
+    admin_page.goto(f"{live_server_url}/admin/inference/modelentry/")
+    row.locator("input.action-select").check()
+    admin_page.select_option("select[name=action]", "clear_cache")
+    admin_page.click("button[name=index]")
+    message = admin_page.locator(".messagelist").inner_text()
+    assert "Freed" in message and "Freed 0.0 MB" not in message
+    assert row.inner_text().split("\t")[-1].startswith("0.0 MB of")

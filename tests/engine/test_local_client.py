@@ -51,11 +51,13 @@ async def test_render_prompt_and_detokenize(client):
         messages=({"role": "user", "content": "Hi"},),
         chat_template_kwargs={"enable_thinking": False},
     )
-    ids = await client.render_prompt("tiny", chat)
-    assert (await client.detokenize("tiny", ids)).endswith("assistant\n<think>\n\n</think>\n\n")
-    assert await client.render_prompt("tiny", PromptInput(token_ids=(5, 6))) == [5, 6]
-    text_ids = await client.render_prompt("tiny", PromptInput(text="Hello world"))
-    assert await client.detokenize("tiny", text_ids) == "Hello world"
+    ids = (await client.render_prompt("tiny", chat)).token_ids
+    assert (await client.detokenize("tiny", list(ids))).endswith(
+        "assistant\n<think>\n\n</think>\n\n"
+    )
+    assert (await client.render_prompt("tiny", PromptInput(token_ids=(5, 6)))).token_ids == (5, 6)
+    text_ids = (await client.render_prompt("tiny", PromptInput(text="Hello world"))).token_ids
+    assert await client.detokenize("tiny", list(text_ids)) == "Hello world"
     with pytest.raises(ModelNotLoadedError):
         await client.render_prompt("other", PromptInput(text="x"))
 
@@ -140,3 +142,55 @@ async def test_stats_report_throughput(client):
         stats.model == "tiny" and stats.num_generated_tokens == 20 and stats.num_prompt_tokens == 3
     )
     assert stats.tokens_per_second > 0 and stats.step_time_ms > 0 and stats.num_steps >= 20
+
+
+async def test_a_chat_on_a_hybrid_model_comes_with_its_checkpoints(tiny_qwen3_next):
+    from engine.worker import EngineWorker
+
+    client = LocalEngineClient(EngineWorker(loader=lambda spec: tiny_qwen3_next))
+    try:
+        await client.ensure_model(ModelSpec(name="tiny", path="unused"))
+        system = {"role": "system", "content": "You answer in one word."}
+        turns = [
+            system,
+            {"role": "user", "content": "Colour of the sky?"},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "And of grass?"},
+        ]
+        rendered = await client.render_prompt("tiny", PromptInput(messages=tuple(turns)))
+        tokenizer = tiny_qwen3_next.tokenizer
+        text = tokenizer.decode(list(rendered.token_ids))
+        cut = [tokenizer.decode(list(rendered.token_ids[:c])) for c in rendered.checkpoints]
+        assert len(cut) == 2 and all(text.startswith(c) for c in cut)
+        # Each ends where the next user turn's text begins.
+        assert cut[0].endswith("You answer in one word.<|im_end|>\n<|im_start|>user\n")
+        assert cut[1].endswith("Blue.<|im_end|>\n<|im_start|>user\n")
+    finally:
+        await client.shutdown()
+
+
+async def test_a_dense_model_gets_no_checkpoints(client):
+    chat = PromptInput(
+        messages=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    )
+    assert (await client.render_prompt("tiny", chat)).checkpoints == ()
+
+
+async def test_a_request_that_can_never_fit_in_memory_is_refused(tiny_llama):
+    from engine.worker import EngineWorker
+
+    client = LocalEngineClient(EngineWorker(loader=lambda spec: tiny_llama))
+    try:
+        await client.ensure_model(ModelSpec(name="tiny", path="unused"))
+        per_token = client.worker.get("tiny").layout.kv_bytes_per_token
+        # Room for 600 tokens (plus the cache's allocation step of 256).
+        spec = ModelSpec(name="tiny", path="unused", memory_budget_bytes=856 * per_token)
+        info = await client.ensure_model(spec)
+        assert info.max_request_tokens == 600
+        with pytest.raises(InvalidRequestError) as caught:
+            await run(client, greedy(info.max_request_tokens, n=1))
+        assert caught.value.param == "max_tokens" and "memory" in str(caught.value)
+        outputs = await run(client, greedy(8, ignore_eos=True))
+        assert outputs[-1].finish_reason == "length"
+    finally:
+        await client.shutdown()

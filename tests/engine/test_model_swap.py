@@ -87,7 +87,7 @@ async def test_the_old_engine_serves_until_the_new_one_is_ready(tiny_llama):
     await asyncio.to_thread(loading.wait, 30)
 
     assert client.worker.get("tiny") is old
-    assert await client.render_prompt("tiny", PromptInput(token_ids=(7, 8))) == [7, 8]
+    assert (await client.render_prompt("tiny", PromptInput(token_ids=(7, 8)))).token_ids == (7, 8)
     outputs = await collect(client.generate(make_request("during", [1, 2], greedy(2))))
     assert outputs[-1].finish_reason == "length"
 

@@ -129,3 +129,47 @@ def test_decodes_only_after_a_plan_when_nothing_waits_prefills_or_ends():
     seq.output_token_ids = [7, 7]
     seq.num_computed_tokens = 7
     assert not scheduler.decodes_only_after(scheduler.schedule()), "a samples its last token"
+
+
+def test_admission_waits_while_the_batch_would_not_fit_in_memory():
+    from engine.scheduler import CACHE_STEP_TOKENS, MemoryBudget
+
+    # Rows are as long as the longest one: two rows of 300 tokens (rounded up to two cache
+    # steps) fit in 4 steps' worth; a third does not.
+    step = CACHE_STEP_TOKENS
+    budget = MemoryBudget(max_bytes=4 * step * 10, bytes_per_token=10)
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=2048, memory=budget)
+    for rid in "abc":
+        scheduler.add(request(rid, 200, max_tokens=100))
+    scheduler.schedule()
+    assert [r.request_id for r in scheduler.running] == ["a", "b"]
+    scheduler.schedule()
+    assert [r.request_id for r in scheduler.running] == ["a", "b"]  # c waits, nothing fails
+    scheduler.remove("a")
+    scheduler.schedule()
+    assert [r.request_id for r in scheduler.running] == ["b", "c"]
+
+
+def test_the_prefix_cache_makes_room_before_anyone_waits():
+    import mlx.core as mx
+
+    from engine.prefix_cache import PrefixCache
+    from engine.scheduler import CACHE_STEP_TOKENS, MemoryBudget
+
+    cache = PrefixCache(max_bytes=10**9)
+    for start in (5000, 6000):
+        tokens = list(range(start, start + 100))
+        cache.insert(
+            tokens, lambda s, e: [(mx.zeros((1, 1, e - s, 25)), mx.zeros((1, 1, e - s, 25)))]
+        )
+    cached = cache.nbytes  # 2 × 100 tokens × 200 bytes
+    budget = MemoryBudget(max_bytes=2 * CACHE_STEP_TOKENS * 200 + cached // 2, bytes_per_token=200)
+    scheduler = Scheduler(
+        max_num_seqs=8, max_num_batched_tokens=2048, memory=budget, prefix_cache=cache
+    )
+    scheduler.add(request("a", 100, max_tokens=50))
+    scheduler.add(request("b", 100, max_tokens=50))
+    scheduler.schedule()
+    scheduler.schedule()
+    assert [r.request_id for r in scheduler.running] == ["a", "b"]
+    assert 0 < cache.nbytes <= cached // 2  # half the cache went, not the waiting request
