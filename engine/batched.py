@@ -7,6 +7,8 @@ import dataclasses
 import logging
 import time
 
+import mlx.core as mx
+
 from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe, end_queued
 from engine.protocol import GenerationRequest, ModelInfo, RequestStatus
 from engine.request import Emit
@@ -19,7 +21,15 @@ logger = logging.getLogger(__name__)
 class BatchedEngine(EngineLoop):
     """Continuous batching: requests join and leave the running batch at any step."""
 
+    # Whether decode steps may run ahead (engine/runner.py); None: where the device overlaps.
+    RUN_AHEAD: bool | None = None
+
     def setup(self) -> None:
+        # Running ahead overlaps host work with the device's; MLX's CPU backend evaluates
+        # synchronously, so there it would only hold each step's tokens back by one forward.
+        self.overlaps = (
+            self.RUN_AHEAD if self.RUN_AHEAD is not None else mx.default_device() != mx.cpu
+        )
         self.setup_caches()
         self.pacer = PrefillPacer(
             fixed=self.spec.prefill_chunk_tokens, limit=self.spec.max_num_batched_tokens
@@ -69,7 +79,9 @@ class BatchedEngine(EngineLoop):
     def step(self) -> None:
         plan = self.scheduler.schedule()
         started_at = time.perf_counter()
-        run_ahead = self._inbox.empty() and self.scheduler.decodes_only_after(plan)
+        run_ahead = (
+            self.overlaps and self._inbox.empty() and self.scheduler.decodes_only_after(plan)
+        )
         sampled = self.runner.execute(plan, run_ahead=run_ahead)
         self.pacer.record(plan, time.perf_counter() - started_at)
         self.scheduler.prefill_chunk_tokens = self.pacer.chunk_tokens

@@ -77,12 +77,26 @@ def layout(model: nn.Module) -> CacheLayout | None:
     return CacheLayout(tuple(kinds), per_token, per_sequence)
 
 
-def seed(model: nn.Module, hit: PrefixHit) -> Cache:
-    """A fresh cache holding a prefix-cache hit: its first `hit.length` tokens computed."""
+def seed(model: nn.Module, hit: PrefixHit, room: int = 0) -> Cache:
+    """A fresh cache holding a prefix-cache hit: its first `hit.length` tokens computed, with
+    space for `room` more allocated in the same copy (else the first tokens added would copy
+    everything again to grow it)."""
     cache = make_cache(model)
+    step = KVCache.step
+    capacity = -(-(hit.length + room) // step) * step
     for index, layer in enumerate(cache):
         if isinstance(layer, KVCache):
-            layer.keys, layer.values = hit.kv[index]
+            keys, values = hit.kv[index]
+            pad = capacity - hit.length
+            if pad:
+                keys = mx.concatenate(
+                    [keys, mx.zeros((*keys.shape[:2], pad, keys.shape[3]), keys.dtype)], axis=2
+                )
+                values = mx.concatenate(
+                    [values, mx.zeros((*values.shape[:2], pad, values.shape[3]), values.dtype)],
+                    axis=2,
+                )
+            layer.keys, layer.values = keys, values
             layer.offset = hit.length
         else:
             layer.cache = [mx.contiguous(a) for a in hit.state[index]]
@@ -146,11 +160,14 @@ def remember(
     prefix_cache.insert(tokens, kv_source(cache, row), state)
 
 
-def start_cache(model: nn.Module, prefix_cache: PrefixCache | None, hit: PrefixHit | None) -> Cache:
-    """A request's cache: seeded from its prefix-cache hit (then released) or empty."""
+def start_cache(
+    model: nn.Module, prefix_cache: PrefixCache | None, hit: PrefixHit | None, room: int = 0
+) -> Cache:
+    """A request's cache: seeded from its prefix-cache hit (then released) or empty; `room`:
+    the tokens it will add."""
     if hit is None or not hit.length:
         return make_cache(model)
-    cache = seed(model, hit)
+    cache = seed(model, hit, room)
     if prefix_cache is not None:
         prefix_cache.unlock(hit)
     return cache

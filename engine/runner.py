@@ -18,7 +18,7 @@ sequence that finishes is inserted into the cache for later requests.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
 
@@ -153,6 +153,18 @@ def _constrain(
             logprobs[row] = value
 
 
+@dataclass
+class _Prefilled:
+    """What a step's prefill completed: sequences still to be fed their last prompt token, in
+    the rows of `cache`; and sequences whose first token is already sampled, in the rows of
+    `sampled_cache` (in the order of `sampled`)."""
+
+    joining: list[Sequence] = field(default_factory=list)
+    cache: Cache | None = None
+    sampled: list[tuple[list[Sequence], SampleResult]] = field(default_factory=list)
+    sampled_cache: Cache | None = None
+
+
 class BatchRunner:
     """Holds the decode batch (rows, batched cache) and in-progress prefill caches.
 
@@ -214,21 +226,27 @@ class BatchRunner:
         assert {id(seq) for seq in self._rows} == {id(seq) for seq in plan.decode}, (
             "rows out of sync"
         )
-        joining, merged = self._prefill(plan)
+        done = self._prefill(plan)
         batches = []
         if self._ahead is not None:
             # This step's decode is already running; sequences that finished since are dropped
             # in `collect`, and joining ones get their first token from a forward of their own.
             batches.append(self._ahead)
             self._ahead = None
-            if joining:
-                batches.append((joining, self._decode(joining, merged, num_ahead=0)))
-                self._extend(joining, merged)
+            if done.joining:
+                batches.append((done.joining, self._decode(done.joining, done.cache, 0)))
+                self._extend(done.joining, done.cache)
         else:
-            if joining:
-                self._extend(joining, merged)
+            if done.joining:
+                self._extend(done.joining, done.cache)
             if self._rows:
                 batches.append((list(self._rows), self._decode(self._rows, self._cache, 0)))
+        # Prompts whose last token went through their prefill: their first token is sampled,
+        # and they decode from the next step on.
+        if done.sampled:
+            batches += done.sampled
+            seqs = [seq for seqs, _ in done.sampled for seq in seqs]
+            self._extend(seqs, done.sampled_cache)
         if not batches:
             return []
         if run_ahead and not any(
@@ -238,17 +256,21 @@ class BatchRunner:
             self._ahead = (list(self._rows), self._decode_ahead(batches))
         return collect(batches, keep={id(seq) for seq in self._rows})
 
-    def _prefill(self, plan: SchedulerOutput) -> tuple[list[Sequence], Cache | None]:
-        """Run the plan's prefill chunks; return the sequences whose prompt is now done (all
-        but its last token) and a batch cache holding their rows in that order."""
+    def _prefill(self, plan: SchedulerOutput) -> _Prefilled:
+        """Run the plan's prefill chunks. A completed prompt either ran all of its tokens, so
+        its first token is sampled from the prefill itself (`sampled`: one forward less
+        before the first token), or, on a hybrid model, all but its last (`joining`: that
+        token is fed with the decode step, so the prefix cache can keep the recurrent state
+        one token before the prompt's end, where a resent prompt resumes)."""
         whole = [
             chunk.request
             for chunk in plan.prefill
             if chunk.start == 0 and chunk.completes_prompt and chunk.num_tokens > 1
         ]
         together = {id(request) for request in whole} if len(whole) > 1 else set()
-        joining: list[Sequence] = []
-        caches: list[Cache] = []
+        done = _Prefilled()
+        joining_caches: list[Cache] = []
+        sampled_caches: list[Cache] = []
         for chunk in plan.prefill:
             request = chunk.request
             if id(request) in together:
@@ -257,34 +279,67 @@ class BatchRunner:
             if cache is None:
                 cache = self._prefill_caches[request.request_id] = self._start(request)
             end = chunk.start + chunk.num_tokens
+            prompt = request.prompt_token_ids
             if not chunk.completes_prompt:
-                prefill(self.model, cache, request.prompt_token_ids[chunk.start : end])
+                prefill(self.model, cache, prompt[chunk.start : end])
                 if end in request.checkpoints:
-                    self._remember(request.prompt_token_ids[:end], cache)
+                    self._remember(prompt[:end], cache)
                 continue
-            prefill(self.model, cache, request.prompt_token_ids[chunk.start : end - 1])
-            self._remember(request.prompt_token_ids[: end - 1], cache)
             del self._prefill_caches[request.request_id]
-            for seq in request.live_sequences():
-                joining.append(seq)
-                caches.append(cache)
-        merged = merge(caches) if caches else None
+            seqs = request.live_sequences()
+            if self.hybrid:
+                prefill(self.model, cache, prompt[chunk.start : end - 1])
+                self._remember(prompt[: end - 1], cache)
+                done.joining += seqs
+                joining_caches += [cache] * len(seqs)
+                continue
+            logits = self.model(mx.array(prompt[chunk.start : end])[None], cache=cache)
+            self._remember(prompt, cache)
+            done.sampled.append((seqs, self._sample_first(logits[:, -1, :], seqs)))
+            sampled_caches += [cache] * len(seqs)
+        done.cache = merge(joining_caches) if joining_caches else None
+        done.sampled_cache = merge(sampled_caches) if sampled_caches else None
         if together:
-            batch = self._prefill_together(whole)
-            joining += [seq for request in whole for seq in request.live_sequences()]
-            merged = batch if merged is None else concatenate(merged, batch)
-        return joining, merged
+            batch, logits = self._prefill_together(whole)
+            seqs = [seq for request in whole for seq in request.live_sequences()]
+            if logits is None:
+                done.joining += seqs
+                done.cache = batch if done.cache is None else concatenate(done.cache, batch)
+            else:
+                done.sampled.append((seqs, self._sample_first(logits, seqs)))
+                done.sampled_cache = (
+                    batch if done.sampled_cache is None else concatenate(done.sampled_cache, batch)
+                )
+        return done
+
+    def _sample_first(self, logits: mx.array, seqs: list[Sequence]) -> SampleResult:
+        """The first token of each sequence from its prompt's last logits (one row per
+        sequence; the n choices of a request share their prompt's row)."""
+        if logits.shape[0] != len(seqs):
+            rows = [seq.request for seq in seqs]
+            requests = list(dict.fromkeys(id(r) for r in rows))
+            logits = logits[mx.array([requests.index(id(r)) for r in rows])]
+        result = sample_batch(logits, [seq.sampling_state for seq in seqs])
+        mx.async_eval(_arrays(result))
+        return result
 
     def _start(self, request: Request) -> Cache:
         hit, request.prefix_hit = request.prefix_hit, None
         if hit is not None:
             request.num_cached_tokens = hit.length
-        return start_cache(self.model, self.prefix_cache, hit)
+        room = request.num_prompt_tokens - (hit.length if hit is not None else 0)
+        return start_cache(self.model, self.prefix_cache, hit, room)
 
-    def _prefill_together(self, requests: list[Request]) -> Cache:
+    def _prefill_together(self, requests: list[Request]) -> tuple[Cache, mx.array | None]:
+        """Prefill whole prompts as one padded batch: all their tokens, returning each
+        prompt's last logits (one row per prompt), or on a hybrid model all but the last
+        token (logits None; see `_prefill`)."""
         # mlx-lm's PromptProcessingBatch scheme: right-pad to the longest prompt, mask the
         # padding, then roll it to the left where the decode batch expects it.
-        bodies = [request.prompt_token_ids[:-1] for request in requests]
+        cut = 1 if self.hybrid else 0
+        bodies = [
+            request.prompt_token_ids[: len(request.prompt_token_ids) - cut] for request in requests
+        ]
         lengths = [len(body) for body in bodies]
         padding = [max(lengths) - length for length in lengths]
         cache = merge([make_cache(self.model) for _ in requests])
@@ -292,18 +347,22 @@ class BatchRunner:
             for layer in cache:
                 layer.prepare(lengths=lengths, right_padding=padding)
         tokens = [[*body, *[0] * pad] for body, pad in zip(bodies, padding, strict=True)]
-        self.model(mx.array(tokens), cache=cache)
+        logits = self.model(mx.array(tokens), cache=cache)
         if any(padding):
             for layer in cache:
                 layer.finalize()
         for row, body in enumerate(bodies):
             self._remember(body, cache, row)
+        last = None
+        if not self.hybrid:
+            rows = mx.arange(len(requests))
+            last = logits[rows, mx.array(lengths) - 1]
         rows = [i for i, request in enumerate(requests) for _ in request.live_sequences()]
         if len(rows) > len(requests):  # n > 1: every choice gets its own copy of the rows
             for layer in cache:
                 layer.filter(rows)
         mx.async_eval([layer.state for layer in cache])
-        return cache
+        return cache, last
 
     def _decode(
         self, seqs: list[Sequence], cache: Cache, num_ahead: int, inputs: mx.array | None = None
@@ -352,25 +411,33 @@ class SequenceRunner:
         self.prefix_cache = prefix_cache
         self.hybrid = hybrid
 
-    def prefill(self, request: Request, chunk_size: int) -> Cache:
-        """A cache holding all but the last prompt token of `request`, computed in chunks that
-        end at its checkpoints, from a prefix-cache hit when there is one."""
+    def prefill(self, seq: Sequence, chunk_size: int) -> tuple[Cache, list[Sampled]]:
+        """The cache of `seq`'s prompt, computed in chunks that end at its checkpoints, from a
+        prefix-cache hit when there is one; and its first token, sampled from the last chunk
+        (as the batch runner does; on a hybrid model the last prompt token is left to `step`
+        and this returns no token)."""
+        request = seq.request
         prompt = request.prompt_token_ids
         hit = None
         if self.prefix_cache is not None:
             hit = self.prefix_cache.match(prompt, limit=len(prompt) - 1)
             request.num_cached_tokens = hit.length
-        cache = start_cache(self.model, None, hit)
+        cache = start_cache(self.model, None, hit, len(prompt) - (hit.length if hit else 0))
         start = hit.length if hit is not None else 0
-        while start < len(prompt) - 1:
-            end = min(len(prompt) - 1, start + chunk_size)
+        stop = len(prompt) - 1 if self.hybrid else len(prompt)
+        logits = None
+        while start < stop:
+            end = min(stop, start + chunk_size)
             end = next((c for c in request.checkpoints if start < c < end), end)
-            prefill(self.model, cache, prompt[start:end])
+            if end < len(prompt):
+                prefill(self.model, cache, prompt[start:end])
+            else:
+                logits = self.model(mx.array(prompt[start:end])[None], cache=cache)[:, -1, :]
             if end in request.checkpoints:
                 remember(self.prefix_cache, prompt[:end], cache, hybrid=self.hybrid)
             start = end
-        remember(self.prefix_cache, prompt[:-1], cache, hybrid=self.hybrid)
-        return cache
+        remember(self.prefix_cache, prompt[:stop], cache, hybrid=self.hybrid)
+        return cache, [] if logits is None else sample(logits, [seq])
 
     def finished(self, seq: Sequence, cache: Cache) -> None:
         """Keep a sequence that ended normally (its computed tokens) in the prefix cache."""

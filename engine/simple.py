@@ -48,9 +48,11 @@ class SimpleEngine(EngineLoop):
         """Run a request to its end, its choices one after another; aborts checked per token."""
         for seq in request.sequences:
             # Each choice after the first finds the prompt in the prefix cache.
-            cache = self.runner.prefill(request, self.spec.max_num_batched_tokens)
-            seq.num_computed_tokens = request.num_prompt_tokens - 1
+            cache, first = self.runner.prefill(seq, self.spec.max_num_batched_tokens)
+            seq.num_computed_tokens = request.num_prompt_tokens - (0 if first else 1)
             self._meter.num_prompt_tokens += request.num_prompt_tokens - request.num_cached_tokens
+            for sampled in first:
+                self.accept(sampled)
             while not seq.status.is_finished:
                 if self._poll(current=request, block=False):
                     self.finish(request, RequestStatus.FINISHED_ABORTED)

@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from engine.batched import BatchedEngine
 from engine.protocol import SamplingParams
 from engine.runner import BatchRunner
 from engine.scheduler import Scheduler
@@ -113,6 +114,7 @@ def test_running_ahead_changes_nothing(tiny_llama, monkeypatch):
         return original(self, plan, run_ahead=run_ahead)
 
     monkeypatch.setattr(BatchRunner, "execute", spy)
+    monkeypatch.setattr(BatchedEngine, "RUN_AHEAD", True)  # off by default on the CPU backend
     ahead = run_batched(tiny_llama, requests, join_at=join_at)
     assert sum(ahead_steps) >= 3, "some decode steps ran ahead"
     monkeypatch.setattr(Scheduler, "decodes_only_after", lambda self, plan: False)

@@ -85,19 +85,28 @@ def test_hits_with_chunked_prefill_beside_running_streams_change_no_token(tiny_m
 
 
 @pytest.mark.slow
-def test_a_second_turn_resumes_where_the_first_turn_ended(tiny_model):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_second_turn_resumes_where_the_first_turn_ended(tiny_model, run_ahead, monkeypatch):
+    # Running ahead, a finished row has also been fed its last token: what it keeps differs.
+    monkeypatch.setattr(BatchedEngine, "RUN_AHEAD", run_ahead)
     vocab = tiny_model.info.vocab_size
     system, user1, user2 = (tokens(vocab, n, seed=s) for n, s in ((30, 8), (12, 9), (10, 10)))
     engine = manual_engine(tiny_model, BatchedEngine)
     turn1 = request("turn1", [*system, *user1], checkpoints=[30])
-    reply = drive(engine, [turn1]).tokens("turn1")
+    # Another stream outlives turn 1, so the step in which turn 1 ends still runs ahead
+    # (alone at its max_tokens, the engine would not run a wasted step).
+    companion = GenerationRequest(
+        "companion", "tiny", tuple(tokens(vocab, 6, seed=14)), greedy(3 * MAX_TOKENS)
+    )
+    reply = drive(engine, [turn1, companion]).tokens("turn1")
     history = [*system, *user1, *reply]
     # As a server renders it: the checkpoints are the end of the system prompt and the
     # conversation before the last user turn.
     turn2 = request("turn2", [*history, *user2], checkpoints=[30, len(history)])
     cold = run_batched(tiny_model, [turn2], **COLD)
     warm = drive(engine, [turn2])
-    assert warm.cached("turn2") >= len(system) + len(user1)
+    # The whole first turn, as far as the reply was fed back into the model.
+    assert warm.cached("turn2") == len(history) - (0 if run_ahead else 1)
     assert_same(warm, "turn2", cold, "turn2")
 
 
