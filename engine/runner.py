@@ -17,6 +17,7 @@ sequence that finishes is inserted into the cache for later requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -56,6 +57,41 @@ def prefill(model: nn.Module, cache: Cache, token_ids: Seq[int]) -> None:
         # Logits of prefill chunks are left unevaluated (lazy), so the vocabulary projection
         # of every prompt position is never computed.
         mx.async_eval([c.state for c in cache])
+
+
+def last_logits(model: nn.Module) -> Callable[[mx.array, Cache, list[int]], mx.array]:
+    """`forward(tokens (B, T), cache, positions)`: the logits (B, V) of one position per row.
+
+    The model's own call projects every position through the vocabulary; a prompt whose
+    first token comes from its prefill needs one. mlx-lm models are a backbone (`model`)
+    and a head (`lm_head`, or the embedding's transpose when tied), so where a probe shows
+    that backbone-then-head gives the model's own logits, only the wanted rows are projected;
+    otherwise (a model that post-processes its logits) the model is called whole."""
+
+    def whole(tokens: mx.array, cache: Cache, positions: list[int]) -> mx.array:
+        logits = model(tokens, cache=cache)
+        return logits[mx.arange(tokens.shape[0]), mx.array(positions)]
+
+    backbone = getattr(model, "model", None)
+    if getattr(model, "lm_head", None) is not None:
+        head = model.lm_head
+    elif hasattr(getattr(backbone, "embed_tokens", None), "as_linear"):
+        head = backbone.embed_tokens.as_linear
+    else:
+        return whole
+
+    def split(tokens: mx.array, cache: Cache, positions: list[int]) -> mx.array:
+        hidden = backbone(tokens, cache)
+        return head(hidden[mx.arange(tokens.shape[0]), mx.array(positions)])
+
+    try:
+        probe = mx.array([[1, 2, 3, 4]])
+        expected = whole(probe, make_cache(model), [3])
+        if mx.allclose(split(probe, make_cache(model), [3]), expected, rtol=1e-4, atol=1e-4):
+            return split
+    except Exception:  # a backbone with another signature: call the model whole
+        pass
+    return whole
 
 
 def sample(logits: mx.array, seqs: list[Sequence]) -> list[Sampled]:
@@ -184,6 +220,7 @@ class BatchRunner:
         self.model = model
         self.prefix_cache = prefix_cache
         self.hybrid = hybrid
+        self._last_logits = last_logits(model)
         self._rows: list[Sequence] = []
         self._cache: Cache | None = None
         self._prefill_caches: dict[str, Cache] = {}
@@ -293,9 +330,10 @@ class BatchRunner:
                 done.joining += seqs
                 joining_caches += [cache] * len(seqs)
                 continue
-            logits = self.model(mx.array(prompt[chunk.start : end])[None], cache=cache)
+            tokens = mx.array(prompt[chunk.start : end])[None]
+            logits = self._last_logits(tokens, cache, [end - chunk.start - 1])
             self._remember(prompt, cache)
-            done.sampled.append((seqs, self._sample_first(logits[:, -1, :], seqs)))
+            done.sampled.append((seqs, self._sample_first(logits, seqs)))
             sampled_caches += [cache] * len(seqs)
         done.cache = merge(joining_caches) if joining_caches else None
         done.sampled_cache = merge(sampled_caches) if sampled_caches else None
@@ -347,16 +385,16 @@ class BatchRunner:
             for layer in cache:
                 layer.prepare(lengths=lengths, right_padding=padding)
         tokens = [[*body, *[0] * pad] for body, pad in zip(bodies, padding, strict=True)]
-        logits = self.model(mx.array(tokens), cache=cache)
+        last = None
+        if self.hybrid:
+            self.model(mx.array(tokens), cache=cache)
+        else:
+            last = self._last_logits(mx.array(tokens), cache, [n - 1 for n in lengths])
         if any(padding):
             for layer in cache:
                 layer.finalize()
         for row, body in enumerate(bodies):
             self._remember(body, cache, row)
-        last = None
-        if not self.hybrid:
-            rows = mx.arange(len(requests))
-            last = logits[rows, mx.array(lengths) - 1]
         rows = [i for i, request in enumerate(requests) for _ in request.live_sequences()]
         if len(rows) > len(requests):  # n > 1: every choice gets its own copy of the rows
             for layer in cache:
@@ -410,6 +448,7 @@ class SequenceRunner:
         self.model = model
         self.prefix_cache = prefix_cache
         self.hybrid = hybrid
+        self._last_logits = last_logits(model)
 
     def prefill(self, seq: Sequence, chunk_size: int) -> tuple[Cache, list[Sampled]]:
         """The cache of `seq`'s prompt, computed in chunks that end at its checkpoints, from a
@@ -432,7 +471,8 @@ class SequenceRunner:
             if end < len(prompt):
                 prefill(self.model, cache, prompt[start:end])
             else:
-                logits = self.model(mx.array(prompt[start:end])[None], cache=cache)[:, -1, :]
+                tokens = mx.array(prompt[start:end])[None]
+                logits = self._last_logits(tokens, cache, [end - start - 1])
             if end in request.checkpoints:
                 remember(self.prefix_cache, prompt[:end], cache, hybrid=self.hybrid)
             start = end

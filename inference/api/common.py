@@ -104,8 +104,21 @@ async def ending_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield error_event(ERROR_STREAM_FAILED)
 
 
+class ClosingStreamingResponse(StreamingHttpResponse):
+    """Closes its iterator when Django stops reading it. Django closes only the generator it
+    iterates (`__aiter__`); a client that leaves while a chunk is being sent would otherwise
+    leave the stream's own generators to the garbage collector, which closes each of them
+    at once and in no order, so an outer one's close finds an inner one already closing
+    ("aclose(): asynchronous generator is already running")."""
+
+    async def __aiter__(self):
+        async with contextlib.aclosing(self._iterator) as parts:
+            async for part in parts:
+                yield self.make_bytes(part)
+
+
 def streaming_response(events: AsyncIterator[bytes], headers: dict[str, str]):
-    response = StreamingHttpResponse(ending_stream(events), content_type="text/event-stream")
+    response = ClosingStreamingResponse(ending_stream(events), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     for name, value in headers.items():

@@ -185,17 +185,22 @@ class Execution:
                 reserved_tokens=self.reserved_tokens,
             )
         )
+        # The engine starts on the prompt while the row is written: the first token does not
+        # wait for the database.
+        starting = asyncio.ensure_future(self._start_streams())
         try:
             record = await asyncio.shield(opening)
         except asyncio.CancelledError:
             # The client left while the row was being written: the write goes on in its thread,
             # so wait for it and finish the row as cancelled rather than leave it open.
+            await self._abandon(starting)
             try:
                 self._usage_id = (await _outlast_cancellation(opening)).pk
             finally:
                 await self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected")
             raise
         except BaseException:
+            await self._abandon(starting)
             await asyncio.shield(self._release(used_tokens=0))
             raise
         self._usage_id = record.pk
@@ -205,7 +210,7 @@ class Execution:
         if task is not None:
             task.add_done_callback(self._on_request_task_done)
         try:
-            await self._start_streams()
+            await starting
         except BaseException as exc:
             status = (
                 UsageRecord.Status.CANCELLED
@@ -217,6 +222,14 @@ class Execution:
             if error is exc:
                 raise
             raise error from None
+
+    async def _abandon(self, starting: asyncio.Future) -> None:
+        """Stop the engine streams of a start that cannot go on (aborting their requests)."""
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        for stream in self._streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
 
     def _fit_to(self, granted: int) -> None:
         """Share a smaller grant out as the completion tokens of every choice (each gets at

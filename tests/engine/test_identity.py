@@ -170,3 +170,15 @@ def test_one_token_prompt_admitted_with_longer_ones_changes_no_row(tiny_model):
         assert together.tokens(rid) == expected, rid
         assert staggered.tokens(rid) == expected, rid
         assert together.finish_reason(rid) == "length"
+
+
+def test_a_prompts_last_logits_are_projected_alone_and_equal_the_models_own(tiny_model):
+    import engine.runner as runner
+
+    model = tiny_model.model
+    forward = runner.last_logits(model)
+    assert forward.__name__ == "split"  # the backbone-then-head path was verified and taken
+    tokens = mx.array([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+    got = forward(tokens, runner.make_cache(model), [4, 2])
+    full = model(tokens, cache=runner.make_cache(model))
+    assert mx.allclose(got[0], full[0, 4], atol=1e-5) and mx.allclose(got[1], full[1, 2], atol=1e-5)

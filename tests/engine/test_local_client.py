@@ -1,5 +1,6 @@
 """LocalEngineClient end to end on a tiny model: loading, prompts, sampling options, errors."""
 
+import asyncio
 import json
 from dataclasses import replace
 
@@ -194,3 +195,19 @@ async def test_a_request_that_can_never_fit_in_memory_is_refused(tiny_llama):
         assert outputs[-1].finish_reason == "length"
     finally:
         await client.shutdown()
+
+
+async def test_clearing_the_prefix_cache_frees_its_entries(client):
+    prompt = tuple(range(1000, 1050))  # the fixture's model holds 64 tokens
+    await run(client, greedy(2), prompt)
+    outputs = await run(client, greedy(2), prompt)
+    assert outputs[0].num_cached_tokens == len(prompt) - 1
+    cache = client.model_status("tiny").stats.prefix_cache
+    assert cache["bytes"] > 0 and cache["hits"] == 1
+    freed = await asyncio.to_thread(client.clear_prefix_cache, "tiny")
+    assert freed == cache["bytes"]
+    after = client.model_status("tiny").stats.prefix_cache
+    assert after["bytes"] == 0 and after["nodes"] == 0
+    outputs = await run(client, greedy(2), prompt)
+    assert outputs[0].num_cached_tokens == 0
+    assert client.clear_prefix_cache("not-loaded") == 0
