@@ -17,6 +17,7 @@ Only the engine thread of one model uses an instance.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class _Node:
     depth: int = 0  # tokens from the root to this node's end
     locks: int = 0
     last_used: int = 0
+    removed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +132,10 @@ class PrefixCache:
         self.hybrid = hybrid
         self._root = _Node((), [])
         self._clock = itertools.count(1)
+        # Eviction candidates, least recently used first: (last_used, tie, node) pushed when a
+        # node may have become an unlocked leaf; stale entries are skipped when popped.
+        self._leaves: list[tuple[int, int, _Node]] = []
+        self._ties = itertools.count()
         self._bytes = 0
         self._nodes = 0
         self._counts = dict.fromkeys(
@@ -173,7 +179,7 @@ class PrefixCache:
         path = path[:depth]
         now = next(self._clock)
         for entry, _ in path:
-            entry.last_used = now
+            self._touch(entry, now)
         self._counts["hits"] += 1
         self._counts["hit_tokens"] += length
         end = path[-1][0]
@@ -189,6 +195,8 @@ class PrefixCache:
         # over the locks) on the path.
         for node in _ancestors(hit.node):
             node.locks -= 1
+            if not node.locks:
+                self._candidate(node)
 
     def insert(
         self, tokens: Sequence[int], source: KVSource, state: LayerState | None = None
@@ -210,15 +218,16 @@ class PrefixCache:
                 if position + common < len(tokens) or state is not None:
                     child = self._split(child, common)
                 else:
-                    child.last_used = now
+                    self._touch(child, now)
                     return  # already inside an edge: nothing new to keep
-            child.last_used = now
+            self._touch(child, now)
             position += len(child.tokens)
             node = child
         if position < len(tokens):
             new = _Node(tokens[position:], source(position, len(tokens)), parent=node)
             _settle(new.kv)
-            new.depth, new.last_used = len(tokens), now
+            new.depth = len(tokens)
+            self._touch(new, now)
             node.children[tokens[position]] = new
             self._add(new.nbytes, nodes=1)
             self._counts["inserted_tokens"] += len(new.tokens)
@@ -261,19 +270,42 @@ class PrefixCache:
                 return  # everything left is held by running requests
             self._remove(victim)
 
+    def _touch(self, node: _Node, now: int) -> None:
+        node.last_used = now
+        self._candidate(node)
+
+    def _candidate(self, node: _Node) -> None:
+        if node.children or node.locks:
+            return
+        heapq.heappush(self._leaves, (node.last_used, next(self._ties), node))
+        if len(self._leaves) > 4 * self._nodes + 64:  # mostly stale: start afresh
+            self._leaves = [
+                (n.last_used, next(self._ties), n)
+                for n in self._walk()
+                if not n.children and not n.locks
+            ]
+            heapq.heapify(self._leaves)
+
     def _lru_leaf(self) -> _Node | None:
-        best = None
+        while self._leaves:
+            last_used, _, node = self._leaves[0]
+            if node.removed or node.children or node.locks or node.last_used != last_used:
+                heapq.heappop(self._leaves)  # stale: touched, grown, held or gone since
+                continue
+            return node
+        return None
+
+    def _walk(self):
         stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif not node.locks and (best is None or node.last_used < best.last_used):
-                best = node
-        return best
+            stack.extend(node.children.values())
+            yield node
 
     def _remove(self, node: _Node) -> None:
         freed = node.nbytes
+        node.removed = True
+        node.kv, node.state = [], None  # stale heap entries may still point at the node
         del node.parent.children[node.tokens[0]]
         self._add(-freed, nodes=-1)
         self._counts["evictions"] += 1
@@ -281,9 +313,12 @@ class PrefixCache:
         parent = node.parent
         # On a hybrid model, an internal node left without children or a snapshot can never be
         # resumed from: it goes too.
-        if self.hybrid and parent is not self._root and not parent.children and not parent.state:
-            if not parent.locks:
-                self._remove(parent)
+        if parent is self._root or parent.children:
+            return
+        if self.hybrid and not parent.state and not parent.locks:
+            self._remove(parent)
+        else:
+            self._candidate(parent)  # a leaf now
 
     def _add(self, num_bytes: int, *, nodes: int = 0) -> None:
         self._bytes += num_bytes

@@ -162,3 +162,18 @@ def test_clear_returns_the_memory():
     assert cache.clear() > 0
     gc.collect()
     assert mx.get_active_memory() - before < 64 * 1024
+
+
+def test_many_entries_are_evicted_oldest_first():
+    cache = PrefixCache(max_bytes=200 * 4 * BYTES_PER_TOKEN)  # room for 200 of these prompts
+    for index in range(2000):
+        prompt = [10_000 + index, 1, 2, 3]
+        cache.insert(prompt, source_for(prompt))
+        if index % 50 == 0:
+            cache.match([10_000, 1, 2, 3, 0], limit=4)  # the first one stays in use
+    stats = cache.stats()
+    assert stats.nodes == 200 and stats.evictions == 1800
+    assert cache.match([10_000, 1, 2, 3, 0], limit=4).length == 4
+    newest = range(1801, 2000)
+    assert all(cache.match([10_000 + i, 1, 2, 3, 0], limit=4).length == 4 for i in newest)
+    assert cache.match([10_000 + 1800, 1, 2, 3, 0], limit=4).length == 0
