@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from accounts.models import ApiKey
 from accounts.selectors import api_key_month_tokens, month_start
+from config.request_threads import detach
 
 logger = logging.getLogger(__name__)
 
@@ -191,17 +192,14 @@ def _refusal(limits: Limits, verdict: Verdict, reserved: int) -> RateLimitExceed
     return RateLimitExceeded(message, code=code, limit=limit, headers=headers)
 
 
-# Releases started on behalf of cancelled admissions (a task needs a reference to finish).
-_background: set[asyncio.Task] = set()
 # A release the backend could not confirm is retried after each of these delays (releases are
 # idempotent); after that the reservation lapses with its window and lease.
 RELEASE_RETRY_DELAYS_S = (0.5, 2, 5, 15, 30, 60)
 
 
 def _in_background(coroutine) -> None:
-    task = asyncio.ensure_future(coroutine)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
+    """Releases started on behalf of cancelled admissions, and their retries."""
+    detach(coroutine)
 
 
 class Limiter:

@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from accounts import limits
 from accounts.models import ApiKey
+from config.request_threads import detach
 from engine.protocol import (
     EngineError,
     EngineOverloadedError,
@@ -49,8 +50,6 @@ ERROR_RELOADING = "The model is being reloaded; please retry shortly."
 USAGE_WRITE_WAIT_S = 2.0
 USAGE_RETRY_DELAYS_S = (0.5, 1, 2, 5, 10, 30)
 USAGE_RETRY_FOR_S = limits.PARALLEL_LEASE_SECONDS
-
-_background: set[asyncio.Task] = set()
 
 
 async def _outlast_cancellation(future: asyncio.Future):
@@ -362,7 +361,7 @@ class Execution:
 
     def _on_request_task_done(self, _task: asyncio.Task) -> None:
         if not self._finished:
-            self._finish_task = asyncio.ensure_future(
+            self._finish_task = detach(
                 self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected")
             )
 
@@ -371,8 +370,9 @@ class Execution:
         if self._finished:
             return
         self._finished = True
-        # Shielded: a second cancellation of the request task must not skip the accounting.
-        await asyncio.shield(self._finish(status, error_code))
+        # Detached and shielded: neither a cancellation of the request task nor the request
+        # ending (its sync thread goes back to the pool) may skip the accounting.
+        await asyncio.shield(detach(self._finish(status, error_code)))
 
     async def _finish(self, status: str, error_code: str) -> None:
         # The request task may end (a client gone while a chunk was being sent) with the
@@ -414,9 +414,7 @@ class Execution:
             logger.warning("usage row of %s is slow to write; finishing it later", self.request_id)
         except Exception:
             logger.exception("usage row of %s not finished; retrying", self.request_id)
-        task = asyncio.ensure_future(_retry_usage(first, write, self.request_id))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        detach(_retry_usage(first, write, self.request_id))
 
     async def _release(self, *, used_tokens: int) -> None:
         if self._admission is None:

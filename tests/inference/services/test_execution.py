@@ -243,8 +243,12 @@ async def test_a_request_task_cancelled_outside_its_stream_closes_every_stream_o
         await task
     await eventually(lambda: len(engine.closed_early) == 3)
     assert sorted(engine.closed_early) == ["req_send-0", "req_send-1", "req_send-2"]
-    row = await sync_to_async(UsageRecord.objects.get)(request_id="req_send")
-    assert row.status == "cancelled"
+
+    async def row_cancelled() -> bool:
+        row = await sync_to_async(UsageRecord.objects.get)(request_id="req_send")
+        return row.status == "cancelled"
+
+    await eventually(row_cancelled)
     errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert not errors, [r.getMessage() for r in errors]
     await kept[0].aclose()
