@@ -26,7 +26,7 @@ _TOKEN_INFO: weakref.WeakKeyDictionary[Any, _TokenizerInfo] = weakref.WeakKeyDic
 
 
 @functools.cache
-def _unicode_to_byte() -> dict[str, int]:
+def unicode_to_byte() -> dict[str, int]:
     # GPT-2's byte-level alphabet: printable bytes stand for themselves, the others are shifted
     # to code points 256+ in byte order.
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
@@ -55,11 +55,19 @@ class _TokenizerInfo:
             if hf_tokenizer.decode([token_id], skip_special_tokens=True) == ""
         )
         self._bytes: dict[int, bytes] = {}
+        self._added: dict[str, int] | None = None
+
+    def token_id(self, token: str) -> int | None:
+        """The id of an added token given by its text (None if the tokenizer has no such one)."""
+        if self._added is None:
+            decoder = getattr(self.hf, "added_tokens_decoder", {})
+            self._added = {str(added): token_id for token_id, added in decoder.items()}
+        return self._added.get(token)
 
     def token_bytes(self, token_id: int) -> bytes:
         cached = self._bytes.get(token_id)
         if cached is None:
-            table = _unicode_to_byte()
+            table = unicode_to_byte()
             token = self.hf.convert_ids_to_tokens(token_id) or ""
             # Characters outside the alphabet (added tokens' content) decode as themselves,
             # as the tokenizers ByteLevel decoder does.
@@ -123,9 +131,11 @@ def skipped_token_ids(tokenizer: Any) -> frozenset[int]:
 
 
 class _ByteLevelDecoder:
-    def __init__(self, info: _TokenizerInfo, skip_special_tokens: bool) -> None:
+    def __init__(
+        self, info: _TokenizerInfo, skip_special_tokens: bool, keep: frozenset[int]
+    ) -> None:
         self._info = info
-        self._skipped = info.skipped_ids if skip_special_tokens else frozenset()
+        self._skipped = (info.skipped_ids - keep) if skip_special_tokens else frozenset()
         # Holds the bytes of an incomplete character; invalid bytes become U+FFFD, as in decode.
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -142,15 +152,21 @@ class _WindowDecoder:
     """Decodes recent tokens with the tokenizer itself: the text added by the newest tokens is
     decode(window) minus decode(window without them), emitted once it is not a partial char."""
 
-    def __init__(self, info: _TokenizerInfo, skip_special_tokens: bool) -> None:
+    def __init__(
+        self, info: _TokenizerInfo, skip_special_tokens: bool, keep: frozenset[int]
+    ) -> None:
         self._hf = info.hf
         self._skip = skip_special_tokens
+        self._skipped = info.skipped_ids - keep if skip_special_tokens else frozenset()
         self._ids: list[int] = []
         self._read_offset = 0  # ids before this are emitted; the window starts one step earlier
 
     def _new_text(self) -> str:
-        prefix = self._hf.decode(self._ids[: self._read_offset], skip_special_tokens=self._skip)
-        full = self._hf.decode(self._ids, skip_special_tokens=self._skip)
+        # Skipped tokens are left out here (not by decode), so that kept ones stay.
+        ids = [t for t in self._ids if t not in self._skipped]
+        cut = sum(1 for t in self._ids[: self._read_offset] if t not in self._skipped)
+        prefix = self._hf.decode(ids[:cut], skip_special_tokens=False)
+        full = self._hf.decode(ids, skip_special_tokens=False)
         return full[len(prefix) :]
 
     def add(self, token_id: int) -> str:
@@ -179,11 +195,18 @@ class StreamDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Any, *, stop: Sequence[str] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        *,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        keep: Sequence[str] = (),
     ) -> None:
+        """`keep`: special tokens (by text) that stay in the text when others are skipped."""
         info = _info(tokenizer)
         decoder_class = _ByteLevelDecoder if info.byte_level else _WindowDecoder
-        self._decoder = decoder_class(info, skip_special_tokens)
+        kept = frozenset(info.token_id(token) for token in keep) - {None}
+        self._decoder = decoder_class(info, skip_special_tokens, kept)
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded text not yet emitted: a possible start of a stop string
         self.text = ""

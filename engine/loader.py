@@ -51,6 +51,7 @@ def load_model(
         vocab_size=_vocab_size(model, config),
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         supports_tools=bool(getattr(tokenizer, "has_tool_calling", False)),
+        chat_template=chat_template_text(tokenizer),
     )
     return LoadedModel(model, tokenizer, config, info, source)
 
@@ -96,3 +97,15 @@ def _vocab_size(model: nn.Module, config: Mapping[str, Any]) -> int:
     if vocab:
         return int(vocab)
     return int(model.model.embed_tokens.weight.shape[0])
+
+
+def chat_template_text(tokenizer) -> str:
+    """The tokenizer's chat template source ("" if it has none); named templates joined."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        return template
+    if isinstance(template, dict):
+        return "\n".join(t for t in template.values() if isinstance(t, str))
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]
+        return "\n".join(t.get("template", "") for t in template if isinstance(t, dict))
+    return ""

@@ -178,15 +178,19 @@ class LocalEngineClient(EngineClient):
         self._render_pool.shutdown(wait=False, cancel_futures=True)
 
 
+# Tokens at the end of a chat prompt decoded for `RenderedPrompt.tail_text`.
+TAIL_TOKENS = 8
+
+
 def _render(tokenizer, prompt: PromptInput, *, checkpoints: bool = False) -> RenderedPrompt:
     if prompt.token_ids is not None:
         return RenderedPrompt(tuple(prompt.token_ids))
     if prompt.messages is not None:
         try:
             ids = _chat(tokenizer, prompt, prompt.messages, prompt.add_generation_prompt)
-            if not checkpoints:
-                return RenderedPrompt(tuple(ids))
-            return RenderedPrompt(tuple(ids), _checkpoints(tokenizer, prompt, ids))
+            tail = tokenizer.decode(ids[-TAIL_TOKENS:]) if ids else ""
+            points = _checkpoints(tokenizer, prompt, ids) if checkpoints else ()
+            return RenderedPrompt(tuple(ids), points, tail_text=tail)
         except InvalidRequestError:
             raise
         except Exception as exc:

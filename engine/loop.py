@@ -192,7 +192,9 @@ class EngineLoop:
                 vocab_size=info.vocab_size,
                 choice_index=index,
             )
-            detokenizer = StreamDetokenizer(tokenizer, stop=params.stop)
+            detokenizer = StreamDetokenizer(
+                tokenizer, stop=params.stop, keep=params.keep_special_tokens
+            )
             sequence = Sequence(request, index, state, detokenizer)
             if params.json_mode:
                 sequence.constraint = JsonConstraint(

@@ -128,6 +128,9 @@ class ModelInfo:
     # engine's memory budget; None: no limit known.
     max_request_tokens: int | None = None
     hybrid: bool = False  # recurrent layers: prompt checkpoints are worth computing
+    # The chat template the model renders with ("" if none): the server detects the tool-call
+    # and reasoning syntax from it when the registry names no parser.
+    chat_template: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -177,6 +180,9 @@ class SamplingParams:
     n: int = 1
     # response_format {"type": "json_object"}: the completion is constrained to one JSON object.
     json_mode: bool = False
+    # Special tokens (by their text, e.g. "[TOOL_CALLS]") that stay in the output text instead of
+    # being dropped: the markers the model's tool-call parser reads. Set by the server.
+    keep_special_tokens: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -253,6 +259,7 @@ class SamplingParams:
         data["logit_bias"] = {int(k): float(v) for k, v in data.get("logit_bias", {}).items()}
         data["stop"] = tuple(data.get("stop", ()))
         data["stop_token_ids"] = tuple(data.get("stop_token_ids", ()))
+        data["keep_special_tokens"] = tuple(data.get("keep_special_tokens", ()))
         return cls(**data)
 
 
@@ -286,6 +293,9 @@ class RenderedPrompt:
 
     token_ids: tuple[int, ...]
     checkpoints: tuple[int, ...] = ()
+    # The end of a chat prompt as text: whether the template opened a reasoning block for the
+    # reply (Qwen3 and DeepSeek-R1 templates end with "<think>\n").
+    tail_text: str = ""
 
 
 @dataclass(frozen=True)

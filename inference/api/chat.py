@@ -43,17 +43,26 @@ SAMPLING_FIELDS = (
 
 
 def tools_for_template(data: dict[str, Any]) -> tuple[dict, ...] | None:
-    """The tools the chat template should see. Forcing a call needs tool-call parsing, which
-    Orchard does not do yet, so only "auto" (the default) and "none" are accepted."""
-    tools = data.get("tools")
+    """The tools the chat template sees (and the tool-call parser reads calls of).
+
+    tool_choice "auto" (the default with tools) and "required" give the model every tool;
+    a named function gives it only that one; "none" gives it none (and replies are not parsed
+    for calls). "required" and a named function are a strong hint, not a guarantee: the
+    model is not constrained to call (README, "Tool calls")."""
+    tools = data.get("tools") or ()
     choice = data.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise APIError(
-            400,
-            "tool_choice may be 'auto' or 'none' on this server: forcing a tool call is not "
-            "supported yet.",
-            param="tool_choice",
-        )
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        named = tuple(t for t in tools if t["function"]["name"] == name)
+        if not named:
+            raise APIError(
+                400,
+                f"tool_choice names the function '{name}', which is not in tools.",
+                param="tool_choice",
+            )
+        return named
+    if choice == "required" and not tools:
+        raise APIError(400, "tool_choice 'required' needs tools.", param="tool_choice")
     if not tools or choice == "none":
         return None
     return tuple(tools)
@@ -64,9 +73,10 @@ def chat_call(data: dict[str, Any]) -> GenerationCall:
         messages = normalize_messages(data["messages"])
     except MessageError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
+    tools = tools_for_template(data)
     prompt = PromptInput(
         messages=tuple(messages),
-        tools=tools_for_template(data),
+        tools=tools,
         chat_template_kwargs=data.get("chat_template_kwargs") or {},
     )
     sampling = {name: data.get(name) for name in SAMPLING_FIELDS}
@@ -84,6 +94,9 @@ def chat_call(data: dict[str, Any]) -> GenerationCall:
         prompt_param="messages",
         sampling=sampling,
         param_names={} if max_tokens is None else {"max_tokens": "max_completion_tokens"},
+        parse_output=True,
+        tools=tools,
+        parallel_tool_calls=data.get("parallel_tool_calls") is not False,
     )
 
 

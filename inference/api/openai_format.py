@@ -10,6 +10,7 @@ from typing import Any
 from engine.protocol import TokenLogprob
 from inference.api.common import sse
 from inference.errors import APIError
+from inference.parsers.base import ToolCallDelta
 from inference.services.generation import Generation
 from inference.services.output import ChoiceDelta, GenerationFailed
 
@@ -67,6 +68,34 @@ class ChoiceAggregate:
     content: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_tool_call(self, delta: ToolCallDelta) -> None:
+        if delta.id is not None:
+            self.tool_calls.append(
+                {
+                    "id": delta.id,
+                    "type": "function",
+                    "function": {"name": delta.name, "arguments": delta.arguments},
+                }
+            )
+        else:
+            self.tool_calls[delta.index]["function"]["arguments"] += delta.arguments
+
+    def message(self) -> dict[str, Any]:
+        """The chat message these deltas make (content null beside tool calls, as OpenAI)."""
+        content = "".join(self.content)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None if self.tool_calls and not content.strip() else content,
+            "refusal": None,
+        }
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
 
 
 async def aggregate(generation: Generation) -> list[ChoiceAggregate]:
@@ -78,6 +107,10 @@ async def aggregate(generation: Generation) -> list[ChoiceAggregate]:
             async for delta in deltas:
                 choice = choices[delta.choice]
                 choice.content.append(delta.content)
+                if delta.reasoning:
+                    choice.reasoning.append(delta.reasoning)
+                for call in delta.tool_calls:
+                    choice.add_tool_call(call)
                 choice.logprobs.extend(delta.logprobs or ())
                 if delta.finish_reason:
                     choice.finish_reason = delta.finish_reason
@@ -103,7 +136,7 @@ def chat_completion_body(
         "choices": [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": "".join(c.content), "refusal": None},
+                "message": c.message(),
                 "logprobs": {"content": chat_logprobs(c.logprobs)} if want_logprobs else None,
                 "finish_reason": c.finish_reason,
             }
@@ -179,6 +212,10 @@ def _chat_chunk(base: dict, delta: ChoiceDelta, started: set[int]) -> dict | Non
         message["role"] = "assistant"
     if delta.content or "role" in message:
         message["content"] = delta.content
+    if delta.reasoning:
+        message["reasoning_content"] = delta.reasoning
+    if delta.tool_calls:
+        message["tool_calls"] = [_tool_call_chunk(call) for call in delta.tool_calls]
     if not message and not delta.finish_reason and not delta.logprobs:
         return None
     choice: dict[str, Any] = {
@@ -188,6 +225,17 @@ def _chat_chunk(base: dict, delta: ChoiceDelta, started: set[int]) -> dict | Non
         "finish_reason": delta.finish_reason,
     }
     return {**base, "choices": [choice]}
+
+
+def _tool_call_chunk(call: ToolCallDelta) -> dict[str, Any]:
+    if call.id is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    return {
+        "index": call.index,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 async def completion_chunks(

@@ -134,6 +134,7 @@ class ChatCompletionSerializer(SamplingSerializer):
     response_format = serializers.DictField(required=False, allow_null=True)
     tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True)
     tool_choice = serializers.JSONField(required=False, allow_null=True)
+    parallel_tool_calls = StrictBooleanField(required=False, allow_null=True)
     chat_template_kwargs = serializers.DictField(required=False, allow_null=True)
 
     def validate_response_format(self, value: dict | None) -> dict | None:
@@ -152,6 +153,22 @@ class ChatCompletionSerializer(SamplingSerializer):
                 raise serializers.ValidationError(f"tools[{index}] must be a function tool.")
             if not isinstance(function.get("name"), str) or not function["name"]:
                 raise serializers.ValidationError(f"tools[{index}].function.name is required.")
+        return value
+
+    def validate_tool_choice(self, value: Any) -> Any:
+        if value is None or value in ("auto", "none", "required"):
+            return value
+        function = value.get("function") if isinstance(value, dict) else None
+        if (
+            not isinstance(value, dict)
+            or value.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+        ):
+            raise serializers.ValidationError(
+                "tool_choice must be 'auto', 'none', 'required' or "
+                '{"type": "function", "function": {"name": ...}}.'
+            )
         return value
 
     def validate_chat_template_kwargs(self, value: dict | None) -> dict:

@@ -49,6 +49,7 @@ from engine.protocol import (
 from inference.engine_access import get_engine_client
 from inference.errors import APIError, model_not_found
 from inference.models import SAMPLING_DEFAULT_FIELDS, ModelEntry
+from inference.parsers.registry import OutputParsing, detect_reasoning_parser, detect_tool_parser
 from inference.services.execution import ERROR_RELOADING, Execution, admission_refused
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
 from inference.services.registry import model_for_key, model_spec
@@ -81,6 +82,11 @@ class GenerationCall:
     # SamplingParams field -> the body field it was read from, where their names differ, so that
     # errors name what the caller sent (e.g. "max_tokens" -> "max_completion_tokens").
     param_names: Mapping[str, str] = field(default_factory=dict)
+    # Chat replies go through the model's reasoning and tool-call parsers; `tools` (those the
+    # template was given; None: tool calls are not parsed) and `parallel_tool_calls` say how.
+    parse_output: bool = False
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    parallel_tool_calls: bool = True
 
     def name(self, param: str | None) -> str | None:
         """The body field a validation error's parameter stands for."""
@@ -96,6 +102,7 @@ class Generation:
     execution: Execution
     entry: ModelEntry
     prompt_texts: list[str] | None = None
+    parsing: OutputParsing | None = None
 
     @property
     def model(self) -> str:
@@ -134,7 +141,7 @@ class Generation:
             await stream.aclose()
 
     async def _deltas(self) -> AsyncIterator[ChoiceDelta]:
-        stages = choice_stages(self.num_choices)
+        stages = choice_stages(self.num_choices, self.parsing)
         async with contextlib.aclosing(self.execution.outputs()) as outputs:
             async for item in outputs:
                 yield stages[item.choice].feed(item.output)
@@ -163,6 +170,9 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
         )
     async with _render_slot(api_key):
         prompts = [await _render(entry.name, p, call.prompt_param) for p in call.prompts]
+    parsing = output_parsing(call, entry, info, prompts[0].tail_text) if call.parse_output else None
+    if parsing is not None and parsing.markers:
+        sampling = dataclasses.replace(sampling, keep_special_tokens=parsing.markers)
     requests = []
     for index, rendered in enumerate(prompts):
         request = GenerationRequest(
@@ -195,7 +205,32 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
         param_name=call.name,
     )
     await execution.start()
-    return Generation(execution, entry, prompt_texts)
+    return Generation(execution, entry, prompt_texts, parsing)
+
+
+def model_parsers(entry: ModelEntry, info: ModelInfo) -> tuple[str, str]:
+    """The model's (tool-call, reasoning) parser names: the registry's, else detected from its
+    chat template. A harmony model's replies are always read by the harmony parser (its
+    channels are special tokens the text leaves out)."""
+    tool = entry.tool_parser or detect_tool_parser(info.chat_template)
+    reasoning = entry.reasoning_parser or detect_reasoning_parser(info.chat_template)
+    if tool == "harmony" and reasoning != "harmony":
+        reasoning = "harmony"
+    return tool, reasoning
+
+
+def output_parsing(
+    call: GenerationCall, entry: ModelEntry, info: ModelInfo, prompt_tail: str
+) -> OutputParsing:
+    tool, reasoning = model_parsers(entry, info)
+    return OutputParsing(
+        tool_parser=tool if call.tools else "",
+        reasoning_parser=reasoning,
+        tools=tuple(dict(t) for t in call.tools or ()),
+        parallel_tool_calls=call.parallel_tool_calls,
+        prompt_tail=prompt_tail,
+        model_path=entry.path,
+    )
 
 
 async def _serving_model(entry: ModelEntry) -> ModelInfo:

@@ -2,17 +2,21 @@
 
 Every endpoint reads its choices through here, streamed or not (a non-streamed reply is the
 stream's deltas joined), so whatever this stage learns to do, every endpoint does the same way.
-Today a choice's text is its content; the tool-call and reasoning parsers chosen for the model
-plug in as stages with per-choice state (one `ChoiceStage` per choice, never shared between
-streams). A failed generation is raised as GenerationFailed, which each endpoint renders in
-its own error shape.
+A choice's text goes through the model's reasoning parser (its reasoning block becomes
+`reasoning`), then its tool-call parser (calls become `tool_calls` deltas, the rest content);
+harmony does both from the token ids. Each choice has its own `ChoiceStage` and parser
+instances, never shared between streams. A failed generation is raised as GenerationFailed,
+which each endpoint renders in its own error shape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.protocol import GenerationOutput, TokenLogprob
+from inference.parsers.base import ParsedDelta, ToolCallDelta
+from inference.parsers.registry import OutputParsing
 
 # Engine finish reasons that end a choice in failure: what the client is told, and the usage
 # row's error code.
@@ -40,26 +44,62 @@ class ChoiceDelta:
     choice: int
     content: str = ""
     logprobs: tuple[TokenLogprob, ...] | None = None
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls"
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 class ChoiceStage:
-    """One choice's output handling. The base stage passes text through as content."""
+    """One choice's output handling: reasoning parser, then tool-call parser (either may be
+    absent: text passes through as content)."""
 
-    def __init__(self, choice: int):
+    def __init__(self, choice: int, parsing: OutputParsing | None = None):
         self.choice = choice
+        parsing = parsing or OutputParsing()
+        self._tools = parsing.new_tool_parser()
+        self._reasoning = parsing.new_reasoning_parser()
 
     def feed(self, output: GenerationOutput) -> ChoiceDelta:
         if output.finish_reason in FAILURE_MESSAGES:
             raise GenerationFailed(output.finish_reason)
+        parsed = self._parse(output.text, output.token_ids)
+        finish_reason = output.finish_reason
+        if finish_reason is not None:
+            parsed.add(self._finish())
+            if finish_reason == "stop" and self._tools is not None and self._tools.num_calls:
+                finish_reason = "tool_calls"
         return ChoiceDelta(
             choice=self.choice,
-            content=output.text,
+            content=parsed.content,
             logprobs=output.logprobs,
-            finish_reason=output.finish_reason,
+            finish_reason=finish_reason,
+            reasoning=parsed.reasoning,
+            tool_calls=tuple(parsed.tool_calls),
         )
 
+    def _parse(self, text: str, token_ids: Sequence[int]) -> ParsedDelta:
+        if self._tools is not None and self._tools.also_reasoning:
+            return self._tools.feed(text, token_ids)
+        parsed = self._reasoning.feed(text) if self._reasoning else ParsedDelta(content=text)
+        return self._through_tools(parsed, token_ids)
 
-def choice_stages(num_choices: int) -> list[ChoiceStage]:
-    """A fresh stage per choice of one response."""
-    return [ChoiceStage(choice) for choice in range(num_choices)]
+    def _through_tools(self, parsed: ParsedDelta, token_ids: Sequence[int]) -> ParsedDelta:
+        if self._tools is None:
+            return parsed
+        return ParsedDelta(reasoning=parsed.reasoning).add(
+            self._tools.feed(parsed.content, token_ids)
+        )
+
+    def _finish(self) -> ParsedDelta:
+        """What the parsers still hold when the choice ends."""
+        parsed = ParsedDelta()
+        if self._reasoning is not None and not (self._tools and self._tools.also_reasoning):
+            parsed = self._through_tools(self._reasoning.finish(), ())
+        if self._tools is not None:
+            parsed.add(self._tools.finish())
+        return parsed
+
+
+def choice_stages(num_choices: int, parsing: OutputParsing | None = None) -> list[ChoiceStage]:
+    """A fresh stage (and fresh parsers) per choice of one response."""
+    return [ChoiceStage(choice, parsing) for choice in range(num_choices)]

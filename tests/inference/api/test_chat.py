@@ -290,8 +290,11 @@ def test_json_object_response_format_gives_a_json_object(client, stream):
         assert finish == "length" and text.lstrip().startswith("{")
 
 
-def test_tool_choice_none_hides_the_tools_and_forcing_a_call_is_a_clear_400(client):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+def test_tool_choice_decides_which_tools_the_template_sees(client):
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}},
+    ]
     plain = client.chat.completions.create(model=TINY, messages=MESSAGES, **GREEDY)
     with_tools = client.chat.completions.create(
         model=TINY, messages=MESSAGES, tools=tools, **GREEDY
@@ -299,12 +302,29 @@ def test_tool_choice_none_hides_the_tools_and_forcing_a_call_is_a_clear_400(clie
     hidden = client.chat.completions.create(
         model=TINY, messages=MESSAGES, tools=tools, tool_choice="none", **GREEDY
     )
+    required = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, tools=tools, tool_choice="required", **GREEDY
+    )
+    named = client.chat.completions.create(
+        model=TINY,
+        messages=MESSAGES,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "g"}},
+        **GREEDY,
+    )
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
     assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens
-    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+    assert required.usage.prompt_tokens == with_tools.usage.prompt_tokens
+    assert plain.usage.prompt_tokens < named.usage.prompt_tokens < with_tools.usage.prompt_tokens
+    for choice, extra in (
+        ({"type": "function", "function": {"name": "missing"}}, {"tools": tools}),
+        ("required", {}),
+        ({"type": "function"}, {"tools": tools}),
+        ("sometimes", {"tools": tools}),
+    ):
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(
-                model=TINY, messages=MESSAGES, tools=tools, tool_choice=choice, **GREEDY
+                model=TINY, messages=MESSAGES, tool_choice=choice, **extra, **GREEDY
             )
         assert caught.value.body["param"] == "tool_choice"
 
