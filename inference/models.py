@@ -3,6 +3,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 from engine.protocol import InvalidRequestError, SamplingParams
+from inference.parsers.registry import reasoning_parser_choices, tool_parser_choices
 
 ERROR_DEFAULT_MUST_BE_ENABLED = (
     "The default model must stay enabled; make another model the default first."
@@ -33,8 +34,18 @@ class ModelEntry(models.Model):
     engine = models.CharField(max_length=10, choices=Engine.choices, default=Engine.BATCHED)
     enabled = models.BooleanField(default=True)
     is_default = models.BooleanField(default=False)
-    tool_parser = models.CharField(max_length=50, blank=True)
-    reasoning_parser = models.CharField(max_length=50, blank=True)
+    tool_parser = models.CharField(
+        max_length=50,
+        blank=True,
+        choices=tool_parser_choices,
+        help_text="How tool calls are read from replies. Empty: detected from the chat template.",
+    )
+    reasoning_parser = models.CharField(
+        max_length=50,
+        blank=True,
+        choices=reasoning_parser_choices,
+        help_text="How reasoning is split from replies. Empty: detected from the chat template.",
+    )
     context_length = models.PositiveIntegerField(
         null=True, blank=True, help_text="Empty: the model's own maximum."
     )

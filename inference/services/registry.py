@@ -7,6 +7,7 @@ from django.db import transaction
 from accounts.models import ApiKey
 from engine.protocol import ModelSpec
 from inference.models import ModelEntry
+from inference.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 
 
 @transaction.atomic
@@ -25,6 +26,15 @@ def model_register(
         raise ValueError(f"{folder} is not an mlx-lm model folder (no config.json).")
     if engine not in ModelEntry.Engine.values:
         raise ValueError(f"Unknown engine {engine!r}; choose from {', '.join(ModelEntry.Engine)}.")
+    for kind, value, known in (
+        ("tool parser", tool_parser, TOOL_PARSERS),
+        ("reasoning parser", reasoning_parser, REASONING_PARSERS),
+    ):
+        if value and value not in known:
+            raise ValueError(
+                f"Unknown {kind} {value!r}; choose from {', '.join(known)} (or leave it empty "
+                "to detect it from the chat template)."
+            )
     entry, _ = ModelEntry.objects.update_or_create(
         name=name,
         defaults={

@@ -1,6 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from inference.models import ModelEntry
+from inference.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 from inference.services.registry import model_register
 
 
@@ -11,8 +12,18 @@ class Command(BaseCommand):
         parser.add_argument("name")
         parser.add_argument("path", help="mlx-lm model folder (config.json, weights, tokenizer)")
         parser.add_argument("--engine", choices=ModelEntry.Engine.values, default="batched")
-        parser.add_argument("--tool-parser", default="")
-        parser.add_argument("--reasoning-parser", default="")
+        parser.add_argument(
+            "--tool-parser",
+            default="",
+            choices=["", *TOOL_PARSERS],
+            help="empty (the default): detected from the chat template",
+        )
+        parser.add_argument(
+            "--reasoning-parser",
+            default="",
+            choices=["", *REASONING_PARSERS],
+            help="empty (the default): detected from the chat template",
+        )
         parser.add_argument("--default", action="store_true", help="make it the default model")
 
     def handle(self, *args, **options):

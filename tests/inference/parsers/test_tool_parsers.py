@@ -83,7 +83,7 @@ def test_hermes_text_then_calls_however_the_text_is_split(how):
         "Let me check."
         + hermes_call("get_weather", {"city": "Paris", "days": 3})
         + "\n"
-        + hermes_call("get_weather", {"city": "Zürich \"Nord\" <tag>", "days": 1})
+        + hermes_call("get_weather", {"city": 'Zürich "Nord" <tag>', "days": 1})
     )
     result = run(HermesToolParser([WEATHER]), splits(text, how))
     assert result.content == "Let me check."
@@ -108,7 +108,8 @@ def test_hermes_arguments_stream_before_the_call_ends():
 
 def test_hermes_a_tag_sharing_a_piece_with_text_and_a_lone_angle_bracket():
     parser = HermesToolParser([WEATHER])
-    result = run(parser, ["a < b and <tool", "_call>", '{"name": "f", "arguments": {}}</tool_call>'])
+    pieces = ["a < b and <tool", "_call>", '{"name": "f", "arguments": {}}</tool_call>']
+    result = run(parser, pieces)
     assert result.content == "a < b and"  # whitespace before a call is dropped
     assert result.parsed_calls() == [("f", {})]
 
@@ -153,7 +154,9 @@ def test_concurrent_streams_keep_their_own_state():
     text_one = "x" + hermes_call("get_weather", {"city": "Rome"})
     text_two = "plain text <tool_ca" + "ll-ish> no call"
     results = [Result(), Result()]
-    for a, b in zip(splits(text_one, "chars"), splits(text_two, "chars") + [""] * 100):
+    for a, b in zip(
+        splits(text_one, "chars"), splits(text_two, "chars") + [""] * 100, strict=False
+    ):
         results[0].take(one.feed(a))
         results[1].take(two.feed(b))
     results[0].take(one.finish())
