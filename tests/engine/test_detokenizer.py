@@ -117,6 +117,23 @@ def test_special_tokens(tokenizer, skip):
     assert detok.stopped is not skip
 
 
+def test_kept_special_tokens_stay_in_the_text_and_others_are_still_skipped(
+    tokenizer, spm_tokenizer
+):
+    """What a tool parser reads (e.g. mistral's [TOOL_CALLS]) is kept when asked for."""
+    for tok in (tokenizer, spm_tokenizer):
+        eos = tok.eos_token_id
+        special = tok.convert_ids_to_tokens(eos)
+        ids = [*tok.encode("ab", add_special_tokens=False), eos]
+        ids += tok.encode("cd", add_special_tokens=False)
+        _, kept = stream(tok, ids, keep=[special])
+        _, skipped = stream(tok, ids)
+        assert special in "".join(kept) and special not in "".join(skipped)
+        assert "".join(kept).replace(special, "") == "".join(skipped)
+        _, unknown = stream(tok, ids, keep=["<no such token>"])
+        assert unknown == skipped
+
+
 def test_token_text(tokenizer):
     hello, world = tokenizer.encode("Hello world", add_special_tokens=False)
     assert (token_text(tokenizer, hello), token_text(tokenizer, world)) == ("Hello", " world")

@@ -56,8 +56,8 @@ def _break_detokenizer(monkeypatch, client):
     monkeypatch.setattr(
         engine.loop,
         "StreamDetokenizer",
-        lambda tokenizer, stop: (_BrokenDetokenizer if "boom" in stop else real)(
-            tokenizer, stop=stop
+        lambda tokenizer, stop, **kwargs: (_BrokenDetokenizer if "boom" in stop else real)(
+            tokenizer, stop=stop, **kwargs
         ),
     )
 
