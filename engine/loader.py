@@ -22,6 +22,7 @@ from mlx_lm.utils import load_model as mlx_load_model
 from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from engine.harmony import is_harmony_tokenizer
 from engine.model_config import context_length as config_context_length
 from engine.protocol import ModelInfo
 
@@ -51,7 +52,8 @@ def load_model(
         vocab_size=_vocab_size(model, config),
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         supports_tools=bool(getattr(tokenizer, "has_tool_calling", False)),
-        chat_template=chat_template_text(tokenizer),
+        chat_template=chat_template_text(tokenizer)
+        or (HARMONY_TEMPLATE if is_harmony_tokenizer(tokenizer) else ""),
     )
     return LoadedModel(model, tokenizer, config, info, source)
 
@@ -97,6 +99,11 @@ def _vocab_size(model: nn.Module, config: Mapping[str, Any]) -> int:
     if vocab:
         return int(vocab)
     return int(model.model.embed_tokens.weight.shape[0])
+
+
+# What ModelInfo.chat_template says of a gpt-oss tokenizer without a template (rendered by
+# openai-harmony, engine/harmony.py): harmony's own markers, so the parsers are detected.
+HARMONY_TEMPLATE = "{# rendered by openai-harmony: <|start|>role<|channel|>…<|message|>… #}"
 
 
 def chat_template_text(tokenizer) -> str:

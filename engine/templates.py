@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
+from engine import harmony
 from engine.protocol import InvalidRequestError
 
 T = TypeVar("T")
@@ -93,9 +94,18 @@ def apply_chat_template(
 ) -> list[int]:
     """Token ids of chat messages through the model's template, with tools and template
     variables (checked by `check_template_kwargs`)."""
-    if not getattr(tokenizer, "has_chat_template", False):
-        raise ValueError("This model has no chat template; send a plain prompt instead.")
     variables = dict(chat_template_kwargs or {})
+    if not getattr(tokenizer, "has_chat_template", False):
+        if harmony.is_harmony_tokenizer(tokenizer):
+            check_template_kwargs(variables, tokenizer)
+            return harmony.render(
+                tokenizer,
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                variables=variables,
+            )
+        raise ValueError("This model has no chat template; send a plain prompt instead.")
     check_template_kwargs(variables, tokenizer)
     text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],

@@ -14,6 +14,7 @@ from tests.fixtures.tiny_models import build_tiny_model
 
 QWEN = "tiny-qwen3-tools"
 LLAMA = "tiny-llama3-tools"
+GPT_OSS = "tiny-gpt-oss-tools"
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -38,6 +39,17 @@ SCRIPTS = [
     {"trigger": "two cities", "text": CALL_PARIS + "\n" + CALL_ROME},
     {"trigger": "broken call", "text": "<tool_call>\n{not json}\n</tool_call>"},
     {"trigger": "no thinking please", "text": "Just the answer."},
+    {
+        "trigger": "weather in Berlin",
+        "text": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Berlin"}<|call|>',
+    },
+    {
+        "trigger": "Cloudy, 12",
+        "text": "<|channel|>analysis<|message|>Report it.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Cloudy and 12 °C in Berlin.<|return|>",
+    },
     {
         "trigger": "llama weather",
         "text": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
@@ -73,6 +85,9 @@ def tools_client(scripted_url, make_key, transactional_db) -> openai.OpenAI:
         path=build_tiny_model(model_type="llama", tokenizer="llama3_1"),
         tool_parser="llama3_json",
     )
+    # The npm gpt-oss tokenizer has no template: prompts render through openai-harmony, and
+    # the harmony parsers are detected from that.
+    model_register(name=GPT_OSS, path=build_tiny_model(model_type="llama", tokenizer="gptoss"))
     return openai.OpenAI(base_url=f"{scripted_url}/v1", api_key=make_key(), max_retries=0)
 
 
@@ -277,3 +292,52 @@ def test_langchain_drives_a_tool_loop(tools_client, scripted_url):
     final = llm.invoke(messages)
     assert final.tool_calls == []
     assert final.content == "It is sunny and 21 °C in Paris."
+
+
+def test_gpt_oss_harmony_calls_reasoning_and_the_round_trip(tools_client):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the weather in Berlin?"},
+    ]
+    completion = tools_client.chat.completions.create(
+        model=GPT_OSS, messages=messages, tools=TOOLS, max_tokens=200
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "Need the weather."
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Berlin"},
+    )
+    content, reasoning, calls, finish, chunks = streamed(
+        tools_client, model=GPT_OSS, messages=messages, tools=TOOLS, max_tokens=200
+    )
+    assert (content, reasoning, finish) == ("", "Need the weather.", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Berlin"})
+    ]
+    for delta in chunks:
+        assert "<|" not in (delta.content or "")
+    history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "Cloudy, 12 °C"},
+    ]
+    final = tools_client.chat.completions.create(
+        model=GPT_OSS, messages=history, tools=TOOLS, max_tokens=200
+    )
+    assert final.choices[0].finish_reason == "stop"
+    assert final.choices[0].message.content == "Cloudy and 12 °C in Berlin."
+    assert final.choices[0].message.model_extra["reasoning_content"] == "Report it."
