@@ -21,16 +21,19 @@ from engine.constraints import (
     AFTER_VALUE,
     ARRAY_OPEN,
     DONE,
+    ESCAPE,
     INITIAL,
     LITERAL,
     NUMBER,
     OBJECT_OPEN,
     STRING,
+    UNICODE,
     advance,
     closing_text,
 )
 
 _CLEAN_MODES = frozenset({AFTER_VALUE, ARRAY_OPEN, DONE, LITERAL, NUMBER, OBJECT_OPEN})
+_IN_STRING = frozenset({STRING, ESCAPE, UNICODE})
 
 
 @dataclass
@@ -134,6 +137,7 @@ class JsonArguments:
         self.state = INITIAL
         self.sent_state = INITIAL  # the state after the last character passed on
         self.held = ""  # characters since then (a separator, a key)
+        self.after_space = False  # the last character given to the recogniser was whitespace
         self.started = False
         self.done = False
         self.broken = False
@@ -146,6 +150,12 @@ class JsonArguments:
                 return "".join(taken), text[position:]
             if not self.started and ch in " \t\r\n":
                 continue
+            space = ch in " \t\r\n" and self.state[0] not in _IN_STRING
+            if space and self.after_space:
+                # The recogniser limits whitespace runs (for JSON mode); one space is enough.
+                self.held += ch
+                continue
+            self.after_space = space
             state = advance(self.state, ch)
             if state is None:
                 self.broken = True
@@ -164,10 +174,20 @@ class JsonArguments:
                 return "".join(taken), text[position + 1 :]
         return "".join(taken), ""
 
+    def close(self) -> str:
+        """The text that closes arguments cut short (after their last value passed on)."""
+        if self.done:
+            return ""
+        self.done = True
+        if not self.started:
+            return "{}"
+        return closing_text(self.sent_state)
 
-# `{"name": "...", "arguments": ` (or "parameters") at the start of a call object.
+
+# `{"name": "...", "arguments": ` (or "parameters") at the start of a call object, and the
+# character after it (only an object streams; a string-encoded one is read whole).
 CALL_HEAD = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(\S)'
 )
 
 
@@ -184,6 +204,7 @@ class JsonCallStream:
         self.arguments: JsonArguments | None = None
         self.closed = False  # the call object's own closing brace came
         self.after = ""  # text after the call object
+        self.whole = False  # a shape that is read whole when it ends
 
     @property
     def streaming(self) -> bool:
@@ -192,22 +213,32 @@ class JsonCallStream:
     def feed(self, text: str) -> list[ToolCallDelta]:
         if self.arguments is None:
             self.buffer += text
-            head = CALL_HEAD.match(self.buffer)
+            head = None if self.whole else CALL_HEAD.match(self.buffer)
             if head is None:
                 return []
-            name = json.loads(f'"{head.group(1)}"')
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                name = None
+            if name is None or head.group(2) != "{":
+                self.whole = True  # not streamable: read whole at the end
+                return []
             self.call = self.parser.start_call(name)
             self.dropped = self.call is None
             self.arguments = JsonArguments()
-            text = self.buffer[head.end() :]
+            text = self.buffer[head.start(2) :]
             deltas = [self.call] if self.call is not None else []
         else:
             deltas = []
+        if self.arguments.broken:
+            return deltas  # what follows broken arguments is dropped, however it is split
         rest = text
         if not self.arguments.done:
             piece, rest = self.arguments.feed(text)
             if piece and self.call is not None:
                 deltas.append(ToolCallDelta(index=self.call.index, arguments=piece))
+        if self.arguments.broken:
+            return deltas
         if self.arguments.done and not self.closed:
             stripped = rest.lstrip()
             if stripped:
@@ -217,10 +248,14 @@ class JsonCallStream:
             self.after += rest
         return deltas
 
-    def finish(self) -> tuple[list[ToolCallDelta], str | None]:
+    def finish(self, *, close: bool = False) -> tuple[list[ToolCallDelta], str | None]:
         """At the end of the object's text: the deltas still due, or (nothing, the raw text)
-        when it was no call at all (the caller shows it as content)."""
+        when it was no call at all (the caller shows it as content). With `close` (the model
+        ended the call), arguments cut short are closed so that they parse."""
         if self.arguments is not None:
+            tail = self.arguments.close() if close else ""
+            if tail and self.call is not None:
+                return [ToolCallDelta(index=self.call.index, arguments=tail)], None
             return [], None
         try:
             value = json.loads(self.buffer)
@@ -238,6 +273,6 @@ class JsonCallStream:
             return [], self.buffer
         call = self.parser.start_call(value["name"])
         if call is None:
-            return [], ""
+            return [], None  # a call, left out (parallel_tool_calls false)
         call.arguments = json.dumps(arguments, ensure_ascii=False)
         return [call], None

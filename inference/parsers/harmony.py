@@ -32,9 +32,10 @@ class HarmonyParser(ToolParser):
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> ParsedDelta:
         out = ParsedDelta()
+        if self._broken:
+            out.content += text  # no longer harmony: the text as decoded
+            return out
         for token_id in token_ids:
-            if self._broken:
-                break
             try:
                 self._parser.process(token_id)
             except Exception as exc:  # HarmonyError: not harmony after all
@@ -42,8 +43,6 @@ class HarmonyParser(ToolParser):
                 self._broken = True
                 break
             self._route(out, self._parser.last_content_delta or "")
-        if self._broken:
-            out.content += text
         return out
 
     def _route(self, out: ParsedDelta, delta: str) -> None:

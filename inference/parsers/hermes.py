@@ -14,10 +14,8 @@ class _JsonBody(CallBody):
     def feed(self, text: str) -> list[ToolCallDelta]:
         return self.call.feed(text)
 
-    def finish(self) -> tuple[list[ToolCallDelta], bool]:
-        if self.call.streaming:
-            return [], True
-        deltas, raw = self.call.finish()
+    def finish(self, *, complete: bool) -> tuple[list[ToolCallDelta], bool]:
+        deltas, raw = self.call.finish(close=complete)
         return deltas, raw is None
 
 

@@ -96,12 +96,15 @@ class MistralToolParser(ToolParser):
                 self._pending = rest
                 if not self._arguments.done:
                     break
-                self._mode = "content"
+                # What follows broken arguments is dropped, however the text is split.
+                self._mode = "dropped" if self._arguments.broken else "content"
+            elif mode == "dropped":
+                self._pending = ""
         return out
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        if self._mode == "content":
+        if self._mode in ("content", "name"):  # (a name never followed by [ARGS]: no call)
             out.content += self._pending
         elif self._mode == "list" and self._call is not None and not self._call.streaming:
             deltas, raw = self._call.finish()

@@ -89,7 +89,7 @@ class _XmlBody(CallBody):
         if self.call is not None:
             deltas.append(ToolCallDelta(index=self.call.index, arguments=arguments))
 
-    def finish(self) -> tuple[list[ToolCallDelta], bool]:
+    def finish(self, *, complete: bool) -> tuple[list[ToolCallDelta], bool]:
         if self.call is None and not self.dropped:
             return [], False
         deltas: list[ToolCallDelta] = []

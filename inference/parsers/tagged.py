@@ -14,9 +14,10 @@ class CallBody:
     def feed(self, text: str) -> list[ToolCallDelta]:
         raise NotImplementedError
 
-    def finish(self) -> tuple[list[ToolCallDelta], bool]:
-        """The deltas still due when the body ends, and whether it was a call at all (if not,
-        the block is shown as content, as generated)."""
+    def finish(self, *, complete: bool) -> tuple[list[ToolCallDelta], bool]:
+        """The deltas still due when the body ends (`complete`: at its end tag, not cut off by
+        the end of the reply), and whether it was a call at all (if not, the block is shown as
+        content, as generated)."""
         raise NotImplementedError
 
 
@@ -33,6 +34,7 @@ class TaggedToolParser(ToolParser):
         self._body: CallBody | None = None
         self._raw = ""  # the current block as generated, shown if it is no call
         self._space = ""  # whitespace-only content, held: dropped if a call follows
+        self._dropped_space = ""  # restored if the block turns out to be no call
 
     def new_body(self) -> CallBody:
         raise NotImplementedError
@@ -50,7 +52,7 @@ class TaggedToolParser(ToolParser):
                     break
                 self._content(out, self._pending[:at])
                 self._pending = self._pending[at + len(self.start_tag) :]
-                self._space = ""
+                self._dropped_space, self._space = self._space, ""
                 self._body = self.new_body()
                 self._raw = self.start_tag
             else:
@@ -66,7 +68,7 @@ class TaggedToolParser(ToolParser):
                 self._pending = self._pending[at + len(self.end_tag) :]
                 self._raw += body + self.end_tag
                 out.add(ParsedDelta(tool_calls=self._body.feed(body)))
-                out.add(self._end_block())
+                out.add(self._end_block(complete=True))
         return out
 
     def finish(self) -> ParsedDelta:
@@ -75,18 +77,18 @@ class TaggedToolParser(ToolParser):
             self._raw += self._pending
             out.add(ParsedDelta(tool_calls=self._body.feed(self._pending)))
             self._pending = ""
-            out.add(self._end_block())
+            out.add(self._end_block(complete=False))
         else:
             self._content(out, self._pending, final=True)
             self._pending = ""
         return out
 
-    def _end_block(self) -> ParsedDelta:
-        deltas, was_call = self._body.finish()
+    def _end_block(self, *, complete: bool) -> ParsedDelta:
+        deltas, was_call = self._body.finish(complete=complete)
         self._body = None
         if was_call:
             return ParsedDelta(tool_calls=deltas)
-        return ParsedDelta(content=self._raw)
+        return ParsedDelta(content=self._dropped_space + self._raw)
 
     def _content(self, out: ParsedDelta, text: str, *, final: bool = False) -> None:
         """Content, with trailing whitespace held: a call that follows drops it."""

@@ -254,3 +254,41 @@ def test_deepseek_r1_starts_inside_the_block():
     assert (result.reasoning, result.content) == ("a", "b")
     result = run(DeepSeekR1ReasoningParser(), splits("a</think>\n\nb", "chars"))
     assert (result.reasoning, result.content) == ("a", "b")
+
+
+@pytest.mark.parametrize("how", SPLITS)
+def test_review_edge_cases_give_the_same_result_however_split(how):
+    def parse(parser_class, text, **kwargs):
+        result = run(parser_class([WEATHER], **kwargs), splits(text, how))
+        whole = run(parser_class([WEATHER], **kwargs), [text])
+        assert (result.content, result.calls and result.parsed_calls()) == (
+            whole.content,
+            whole.calls and whole.parsed_calls(),
+        )
+        return result
+
+    # A name the JSON decoder refuses: no exception, read as a whole object (and refused).
+    bad_name = '<tool_call>{"name": "a\\x", "arguments": {}}</tool_call>'
+    assert parse(HermesToolParser, bad_name).content == bad_name
+    # Arguments cut short by the end tag are closed so that they parse.
+    cut = '<tool_call>{"name": "f", "arguments": {"a": "unterminated</tool_call>'
+    assert parse(HermesToolParser, cut).parsed_calls() == [("f", {"a": "unterminated"})]
+    # Arguments as a JSON string are read whole.
+    encoded = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    assert parse(HermesToolParser, encoded).parsed_calls() == [("f", {"a": 1})]
+    # Long whitespace runs inside valid arguments (indented JSON) are kept.
+    indented = json.dumps({"a": {"b": {"c": {"d": {"e": {"f": {}}}}}}, "z": 2}, indent=4)
+    call = f'<tool_call>{{"name": "f", "arguments": {indented}}}</tool_call>'
+    assert parse(HermesToolParser, call).parsed_calls()[0][1]["z"] == 2
+    # A dropped second call (parallel_tool_calls false) never leaks as content.
+    two = hermes_call("a", {}) + '<tool_call>{"arguments": {"x": 2}, "name": "g"}</tool_call>end'
+    dropped = parse(HermesToolParser, two, parallel=False)
+    assert dropped.content == "end" and [n for n, _ in dropped.parsed_calls()] == ["a"]
+    # The space before a block that is no call stays.
+    assert parse(HermesToolParser, "hi <tool_call>x</tool_call>").content == (
+        "hi <tool_call>x</tool_call>"
+    )
+    # Broken arguments drop what follows them the same way, however split.
+    parse(Llama3JsonToolParser, '{"name": "f", "parameters": {"a": bad, "b": 2}}')
+    parse(MistralToolParser, '[TOOL_CALLS]f[ARGS]{"a": x}[TOOL_CALLS]g[ARGS]{"b": 2}')
+    assert parse(MistralToolParser, "[TOOL_CALLS]not json at all").content == "not json at all"
