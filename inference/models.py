@@ -190,3 +190,38 @@ class DailyUsage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.date} {self.model}"
+
+
+class StoredResponse(models.Model):
+    """A /v1/responses response kept for its team (`store`, the default): what GET returns, and
+    the conversation a later request continues with `previous_response_id`.
+
+    `body` is the response object as the client received it; `input_items` the whole input it
+    answered (the conversation replayed from earlier responses, then the request's own items),
+    so a response stays continuable even when an earlier one of its chain is deleted."""
+
+    class Status(models.TextChoices):
+        COMPLETED = "completed"
+        INCOMPLETE = "incomplete"
+        FAILED = "failed"
+        CANCELLED = "cancelled"
+
+    id = models.CharField(primary_key=True, max_length=64)
+    team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="+")
+    api_key = models.ForeignKey(
+        "accounts.ApiKey", on_delete=models.SET_NULL, null=True, related_name="+"
+    )
+    model = models.CharField(max_length=100)
+    status = models.CharField(max_length=12, choices=Status.choices)
+    previous_response_id = models.CharField(max_length=64, blank=True)
+    body = models.JSONField()
+    input_items = models.JSONField(default=list)
+    created_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "stored response"
+        indexes = [models.Index(fields=["team", "created_at"])]
+
+    def __str__(self) -> str:
+        return self.id

@@ -1,10 +1,18 @@
 from django.urls import path
 
 from inference.api import chat, completions, models
+from inference.api.responses import views as responses
 
 urlpatterns = [
     path("models", models.models_list, name="v1-models"),
     path("models/<path:model_id>", models.model_detail, name="v1-model-detail"),
     path("chat/completions", chat.chat_completions, name="v1-chat-completions"),
     path("completions", completions.completions, name="v1-completions"),
+    path("responses", responses.responses_create, name="v1-responses"),
+    path("responses/<str:response_id>", responses.response_detail, name="v1-response"),
+    path(
+        "responses/<str:response_id>/input_items",
+        responses.response_input_items,
+        name="v1-response-input-items",
+    ),
 ]

@@ -47,6 +47,7 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls"
     reasoning: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    num_tokens: int = 0  # the tokens this output carried
 
 
 class ChoiceStage:
@@ -75,6 +76,7 @@ class ChoiceStage:
             finish_reason=finish_reason,
             reasoning=parsed.reasoning,
             tool_calls=tuple(parsed.tool_calls),
+            num_tokens=len(output.token_ids),
         )
 
     def _parse(self, text: str, token_ids: Sequence[int]) -> ParsedDelta:

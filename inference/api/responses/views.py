@@ -1,0 +1,300 @@
+"""/v1/responses: create (streamed or not), retrieve, delete, list input items.
+
+A create reads its body into a conversation (the stored one it continues, then its own input
+items), renders that through the same generation service as chat completions, and builds its
+output items with `ResponseBuilder` from the same output stage (reasoning and tool-call
+parsers). With `store` (the default) the finished response and the input it answered are kept
+for the key's team, before the final event is sent: a client that continues as soon as it has
+the response always finds it. A stream the client leaves is billed for what it received and
+not stored (it never finished).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from accounts.models import ApiKey
+from engine.protocol import PromptInput
+from inference.api.chat import tools_for_template
+from inference.api.common import authenticate, json_response, parse_json_body, validate
+from inference.api.common import streaming_response as sse_response
+from inference.api.responses import items as input_items
+from inference.api.responses.events import ResponseBuilder
+from inference.api.responses.serializers import InputItemsQuerySerializer, ResponseCreateSerializer
+from inference.errors import APIError
+from inference.services.generation import Generation, GenerationCall, generation_start
+from inference.services.output import GenerationFailed
+from inference.services.responses import (
+    conversation_items,
+    input_items_page,
+    response_delete,
+    response_get,
+    response_store,
+)
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+# reasoning.effort values a template understands as `reasoning_effort` (gpt-oss's harmony).
+TEMPLATE_EFFORTS = ("low", "medium", "high")
+# With truncation "auto", how many times the oldest turn may be dropped to fit the context.
+MAX_TRUNCATIONS = 64
+ERROR_STREAM_FAILED = "The server had an error while streaming this response."
+
+
+def _not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(
+        404,
+        f"Response with id '{response_id}' not found.",
+        param=param,
+        code="previous_response_not_found" if param else None,
+    )
+
+
+def _text_config(data: dict[str, Any]) -> dict[str, Any]:
+    return data.get("text") or {"format": {"type": "text"}}
+
+
+def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(data.get("chat_template_kwargs") or {})
+    effort = (data.get("reasoning") or {}).get("effort")
+    if effort in TEMPLATE_EFFORTS:
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
+
+
+def _call(data: dict[str, Any], conversation: list[dict[str, Any]]) -> GenerationCall:
+    functions, _ = input_items.template_tools(data.get("tools"))
+    choice, functions = input_items.chat_tool_choice(data.get("tool_choice"), functions)
+    tools = tools_for_template({"tools": functions, "tool_choice": choice})
+    prompt = PromptInput(
+        messages=tuple(input_items.chat_messages(data.get("instructions"), conversation)),
+        tools=tools,
+        chat_template_kwargs=_template_kwargs(data),
+    )
+    sampling = {name: data.get(name) for name in SAMPLING_FIELDS}
+    sampling.update(
+        max_tokens=data.get("max_output_tokens"),
+        json_mode=_text_config(data)["format"]["type"] == "json_object",
+    )
+    return GenerationCall(
+        endpoint="responses",
+        model=data["model"],
+        prompts=(prompt,),
+        prompt_param="input",
+        sampling=sampling,
+        param_names={"max_tokens": "max_output_tokens"},
+        parse_output=True,
+        tools=tools,
+        parallel_tool_calls=data.get("parallel_tool_calls") is not False,
+    )
+
+
+def _drop_oldest_turn(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation without its oldest turn (a user message and what answered it),
+    leading system and developer messages kept; None when only the last turn is left."""
+    start = 0
+    while start < len(conversation) and conversation[start].get("role") in ("system", "developer"):
+        start += 1
+    users = [
+        index
+        for index in range(start, len(conversation))
+        if conversation[index].get("role") == "user"
+    ]
+    if len(users) < 2:
+        return None
+    return conversation[:start] + conversation[users[1] :]
+
+
+async def _start(
+    request: HttpRequest, api_key: ApiKey, data: dict[str, Any], conversation: list[dict]
+) -> tuple[Generation, list[dict]]:
+    """Start the generation; with truncation "auto", dropping the oldest turns until the
+    conversation fits the model's context."""
+    for _ in range(MAX_TRUNCATIONS):
+        try:
+            call = _call(data, conversation)
+            return await generation_start(
+                api_key=api_key, request_id=request.orchard_request_id, call=call
+            ), conversation
+        except APIError as exc:
+            shorter = None
+            if exc.code == "context_length_exceeded" and data.get("truncation") == "auto":
+                shorter = _drop_oldest_turn(conversation)
+            if shorter is None:
+                raise
+            conversation = shorter
+    raise APIError(400, "The input does not fit the model's context.", param="input")
+
+
+def _response_object(
+    response_id: str, data: dict[str, Any], model: str, store: bool
+) -> dict[str, Any]:
+    reasoning = data.get("reasoning") or {}
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": data.get("instructions"),
+        "max_output_tokens": data.get("max_output_tokens"),
+        "max_tool_calls": data.get("max_tool_calls"),
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
+        "previous_response_id": data.get("previous_response_id"),
+        "prompt_cache_key": data.get("prompt_cache_key"),
+        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "service_tier": "default",
+        "store": store,
+        "temperature": data.get("temperature"),
+        "text": _text_config(data),
+        "tool_choice": data.get("tool_choice") or "auto",
+        "tools": data.get("tools") or [],
+        "top_p": data.get("top_p"),
+        "truncation": data.get("truncation") or "disabled",
+        "usage": None,
+        "user": data.get("user"),
+        "metadata": data.get("metadata") or {},
+    }
+
+
+def _usage(generation: Generation, builder: ResponseBuilder) -> dict[str, Any]:
+    usage = generation.usage()
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": builder.reasoning_tokens},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+class _Run:
+    """One create: the generation, its builder, and what is stored when it ends."""
+
+    def __init__(self, api_key, generation, builder, conversation, store):
+        self.api_key = api_key
+        self.generation = generation
+        self.builder = builder
+        self.conversation = conversation
+        self.store = store
+        self.error: str | None = None
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        for event in self.builder.start():
+            yield event
+        status = "completed"
+        try:
+            async with self.generation.deltas() as deltas:
+                async for delta in deltas:
+                    for event in self.builder.feed(delta):
+                        yield event
+                    if delta.finish_reason == "length":
+                        status = "incomplete"
+        except GenerationFailed as exc:
+            status, self.error = "failed", exc.message
+        self.builder.response["usage"] = _usage(self.generation, self.builder)
+        error = {"code": "server_error", "message": self.error} if self.error else None
+        final = self.builder.finish(status, error=error)
+        if self.store:
+            await sync_to_async(response_store)(
+                api_key=self.api_key, body=self.builder.response, input_items=self.conversation
+            )
+        for event in final:
+            yield event
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+async def _stream(run: _Run) -> AsyncIterator[bytes]:
+    """The run's events as SSE; an unexpected error part-way is an `error` event (the stream
+    still ends), as OpenAI sends one."""
+    try:
+        async for event in run.events():
+            yield _sse(event)
+    except Exception:
+        logger.exception("a streamed response failed part-way")
+        yield _sse(run.builder.error(ERROR_STREAM_FAILED))
+
+
+@csrf_exempt
+@require_POST
+async def responses_create(request: HttpRequest) -> HttpResponse:
+    api_key = await authenticate(request)
+    data = validate(ResponseCreateSerializer, parse_json_body(request))
+    conversation: list[dict[str, Any]] = []
+    previous_id = data.get("previous_response_id")
+    if previous_id:
+        previous = await sync_to_async(response_get)(api_key=api_key, response_id=previous_id)
+        if previous is None:
+            raise _not_found(previous_id, param="previous_response_id")
+        conversation = conversation_items(previous)
+    conversation = conversation + input_items.input_items(data["input"])
+    generation, conversation = await _start(request, api_key, data, conversation)
+    store = data.get("store") is not False
+    response_id = input_items.new_id("resp")
+    builder = ResponseBuilder(
+        _response_object(response_id, data, generation.model, store),
+        input_items.template_tools(data.get("tools"))[1],
+    )
+    run = _Run(api_key, generation, builder, conversation, store)
+    if data.get("stream"):
+        return sse_response(_stream(run), generation.headers)
+    async for _event in run.events():
+        pass
+    if run.error:
+        raise APIError(500, run.error)
+    return json_response(builder.response, generation.headers)
+
+
+@csrf_exempt
+@require_http_methods(["GET", "DELETE"])
+async def response_detail(request: HttpRequest, response_id: str) -> HttpResponse:
+    api_key = await authenticate(request)
+    if request.method == "DELETE":
+        if not await sync_to_async(response_delete)(api_key=api_key, response_id=response_id):
+            raise _not_found(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True}, {})
+    stored = await sync_to_async(response_get)(api_key=api_key, response_id=response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return json_response(stored.body, {})
+
+
+@csrf_exempt
+@require_GET
+async def response_input_items(request: HttpRequest, response_id: str) -> HttpResponse:
+    api_key = await authenticate(request)
+    query = validate(InputItemsQuerySerializer, request.GET.dict())
+    stored = await sync_to_async(response_get)(api_key=api_key, response_id=response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    page = input_items_page(
+        stored, order=query["order"], after=query.get("after"), limit=query["limit"]
+    )
+    return json_response(page, {})
