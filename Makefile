@@ -53,6 +53,7 @@ serve: setup
 test: setup
 	@sh scripts/fetch_test_tokenizers.sh
 	@sh scripts/ensure_chromium.sh $(PY)
+	@sh scripts/ensure_node_clients.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(PY) -m ruff check .
 ifneq ($(TEST_POSTGRES_URL),)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from accounts.models import ApiKey
+from accounts.selectors import teams_owned_by
 from inference.models import StoredResponse
-
-INPUT_ITEMS_PAGE_MAX = 100
 
 
 def response_store(
@@ -32,6 +33,13 @@ def response_store(
         input_items=input_items,
         created_at=datetime.datetime.fromtimestamp(body["created_at"], tz=datetime.UTC),
     )
+
+
+def responses_visible_to(*, user: AbstractBaseUser) -> QuerySet[StoredResponse]:
+    """Conversations are the team's own: staff see those of the teams they own."""
+    if user.is_superuser:
+        return StoredResponse.objects.all()
+    return StoredResponse.objects.filter(team__in=teams_owned_by(user=user))
 
 
 def response_get(*, api_key: ApiKey, response_id: str) -> StoredResponse | None:

@@ -30,6 +30,7 @@ SCRIPTS = [
     {"trigger": "turn three", "text": "Third reply."},
     {"trigger": "Count slowly", "text": "one two three four five six seven eight nine ten"},
     {"trigger": "crm.lookup_customer", "text": CALL_CRM},
+    {"trigger": "Reply with the word pong", "text": "pong"},
 ]
 WEATHER_TOOL = {
     "type": "function",
