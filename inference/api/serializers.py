@@ -222,7 +222,8 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
 
 def normalize_message(message: Any, index: int) -> dict[str, Any]:
     """An OpenAI chat message as the chat template expects it: text content as one string,
-    `developer` as `system`, tool-call arguments as objects."""
+    `developer` as `system`, tool-call arguments as objects, an assistant's reasoning as
+    `reasoning_content`."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise MessageError(f"{where} must be an object.", where)
@@ -245,6 +246,11 @@ def normalize_message(message: Any, index: int) -> dict[str, Any]:
         normalized["tool_call_id"] = message["tool_call_id"]
     if isinstance(message.get("name"), str):
         normalized["name"] = message["name"]
+    # An earlier reply's reasoning, sent back: templates that keep reasoning in the history
+    # (Qwen3, gpt-oss) render it.
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    if role == "assistant" and isinstance(reasoning, str) and reasoning:
+        normalized["reasoning_content"] = reasoning
     return normalized
 
 

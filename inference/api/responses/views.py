@@ -255,6 +255,8 @@ async def responses_create(request: HttpRequest) -> HttpResponse:
             raise _not_found(previous_id, param="previous_response_id")
         conversation = conversation_items(previous)
     conversation = conversation + input_items.input_items(data["input"])
+    if not any(item["type"] != "reasoning" for item in conversation):
+        raise APIError(400, "'input' must hold at least one message or item.", param="input")
     generation, conversation = await _start(request, api_key, data, conversation)
     store = data.get("store") is not False
     response_id = input_items.new_id("resp")

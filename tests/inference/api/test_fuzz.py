@@ -22,6 +22,7 @@ CHAT = {
     "temperature": 0,
 }
 COMPLETION = {"model": TINY, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+RESPONSE = {"model": TINY, "input": "Hi", "max_output_tokens": 2, "temperature": 0}
 
 # Raw JSON text for values Python's json.dumps cannot write (or writes as non-JSON).
 DEEP = "[" * 5000 + "]" * 5000
@@ -103,6 +104,54 @@ COMPLETION_FIELDS = [
     "seed",
     "logit_bias",
 ]
+RESPONSE_FIELDS = [
+    "model",
+    "input",
+    "instructions",
+    "previous_response_id",
+    "store",
+    "stream",
+    "background",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "reasoning",
+    "metadata",
+    "user",
+    "truncation",
+    "include",
+    "chat_template_kwargs",
+]
+INPUT_VARIANTS = [
+    '[{"type": "message"}]',
+    '[{"type": "message", "role": "user", "content": [{"type": "input_text", "text": 5}]}]',
+    '[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]',
+    '[{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]',
+    '[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "' + "[" * 3000 + '"}]',
+    '[{"type": "function_call", "call_id": "c", "name": "f", "arguments": [1]}]',
+    '[{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]',
+    '[{"type": "function_call_output", "call_id": "nobody", "output": "x"}]',
+    '[{"type": "reasoning", "summary": 5}]',
+    '[{"type": "reasoning", "summary": [{"type": "summary_text"}]}]',
+    '[{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": 5}]',
+    '[{"type": "nope"}]',
+    "[5]",
+    '[{"role": "user", "content": ' + DEEP + "}]",
+]
+TOOL_VARIANTS = [
+    '[{"type": "namespace", "name": "ns", "tools": 5}]',
+    '[{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]',
+    '[{"type": "namespace", "tools": []}]',
+    '[{"type": "function", "name": "f", "parameters": 5}]',
+    '[{"type": "web_search"}, {"type": "function", "name": "' + "f" * 5000 + '"}]',
+    "[5]",
+]
+
+
 MESSAGE_VARIANTS = [
     '[{"role": "user"}]',
     '[{"role": "user", "content": 5}]',
@@ -168,6 +217,7 @@ def http(live_server_url, api_key):
     [
         ("/v1/chat/completions", CHAT, CHAT_FIELDS),
         ("/v1/completions", COMPLETION, COMPLETION_FIELDS),
+        ("/v1/responses", RESPONSE, RESPONSE_FIELDS),
     ],
 )
 def test_malformed_bodies_never_give_a_5xx(http, path, base, fields):
@@ -175,6 +225,13 @@ def test_malformed_bodies_never_give_a_5xx(http, path, base, fields):
     if path == "/v1/chat/completions":
         rest = json.dumps({k: v for k, v in base.items() if k != "messages"})
         cases += [rest[:-1] + f', "messages": {m}}}' for m in MESSAGE_VARIANTS]
+    if path == "/v1/responses":
+        rest = json.dumps({k: v for k, v in base.items() if k != "input"})
+        cases += [rest[:-1] + f', "input": {m}}}' for m in INPUT_VARIANTS]
+        rest = json.dumps(base)
+        cases += [rest[:-1] + f', "tools": {t}}}' for t in TOOL_VARIANTS]
+        for choice in ('{"type": "allowed_tools", "mode": "auto", "tools": 5}', '{"type": 5}'):
+            cases.append(rest[:-1] + f', "tool_choice": {choice}}}')
     statuses = []
     for body in cases:
         response = http.post(path, content=body.encode("utf-8", errors="surrogatepass"))
@@ -198,3 +255,10 @@ def test_odd_model_ids_and_methods(http):
         for path in ("/v1/models", "/v1/chat/completions", "/v1/completions"):
             check(http.request(method, path, content=b"{}"), f"{method} {path}")
     check(http.get("/v1/models", params={"limit": "[" * 2000}), "query")
+    for response_id in ids:
+        for method in ("GET", "DELETE"):
+            check(http.request(method, f"/v1/responses/{response_id}"), response_id)
+        check(http.get(f"/v1/responses/{response_id}/input_items"), response_id)
+    for query in ({"limit": "x"}, {"limit": "-1"}, {"order": "sideways"}, {"after": "a" * 5000}):
+        check(http.get("/v1/responses/resp_x/input_items", params=query), str(query))
+    check(http.put("/v1/responses", content=b"{}"), "PUT /v1/responses")

@@ -400,6 +400,7 @@ def test_a_client_leaving_mid_stream_is_billed_for_what_it_got(scripted_url, raw
     ("body", "param"),
     [
         ({"input": 5}, "input"),
+        ({"input": []}, "input"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -445,3 +446,136 @@ def test_unknown_ids_are_404_in_openai_shape(client):
         with pytest.raises(openai.NotFoundError) as caught:
             attempt()
         assert "resp_nope" in caught.value.body["message"]
+
+
+GPT_OSS = "tiny-gpt-oss-responses"
+HARMONY_SCRIPTS = [
+    {
+        "trigger": "weather in Berlin",
+        "text": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Berlin"}<|call|>',
+    },
+    {
+        "trigger": "Cloudy, 12",
+        "text": "<|channel|>analysis<|message|>Report it.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Cloudy and 12 °C in Berlin.<|return|>",
+    },
+]
+SCRIPTS.extend(HARMONY_SCRIPTS)
+
+
+def test_harmony_reasoning_and_calls_round_trip(client):
+    """gpt-oss (rendered by openai-harmony, read by the harmony parser): the analysis channel
+    is a reasoning item, the commentary call a function_call; both replay into the next turn."""
+    model_register(name=GPT_OSS, path=build_tiny_model(model_type="llama", tokenizer="gptoss"))
+    tools = [{**WEATHER_TOOL}]
+    first = client.responses.create(
+        model=GPT_OSS,
+        input="What is the weather in Berlin?",
+        tools=tools,
+        reasoning={"effort": "low"},
+    )
+    reasoning, call = first.output
+    assert [c.text for c in reasoning.content] == ["Need the weather."]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Berlin"})
+    second = client.responses.create(
+        model=GPT_OSS,
+        previous_response_id=first.id,
+        tools=tools,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Cloudy, 12"}],
+    )
+    assert [item.type for item in second.output] == ["reasoning", "message"]
+    assert second.output_text == "Cloudy and 12 °C in Berlin."
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_reasoning_items_replay_into_the_template(client):
+    """Qwen3's template renders the reasoning of the turn after the last user message: the
+    same history with its reasoning item is a longer prompt than without it."""
+    first = client.responses.create(
+        model=MODEL, input="What is the weather in Paris?", tools=[WEATHER_TOOL], store=False
+    )
+    reasoning, call = (item.model_dump(exclude_none=True) for item in first.output)
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "Sunny, 21"}
+    kwargs = {"model": MODEL, "tools": [WEATHER_TOOL], "store": False}
+    with_reasoning = client.responses.create(input=[question, reasoning, call, result], **kwargs)
+    without = client.responses.create(input=[question, call, result], **kwargs)
+    assert with_reasoning.output_text == without.output_text == "It is sunny and 21 °C in Paris."
+    assert with_reasoning.usage.input_tokens >= without.usage.input_tokens + 6
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    plain = client.responses.create(model=MODEL, input="Say hello")
+    no_thinking = client.responses.create(
+        model=MODEL,
+        input="Say hello",
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    # Qwen3's template closes an empty think block in the prompt when thinking is off.
+    assert no_thinking.usage.input_tokens == plain.usage.input_tokens + 4
+    assert no_thinking.output_text == "Hello there!"
+
+
+def test_json_object_format(client):
+    response = client.responses.create(
+        model=MODEL,
+        input="Give me a JSON object.",
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=40,
+        temperature=1.0,
+    )
+    assert response.text.format.type == "json_object"
+    assert response.output_text.lstrip().startswith("{")
+    if response.status == "completed":
+        assert isinstance(json.loads(response.output_text), dict)
+
+
+def test_truncation_auto_drops_the_oldest_turns(client):
+    long = " ".join(["apple"] * 1500)
+    history = []
+    for turn in range(3):
+        history += [
+            {"role": "user", "content": f"{turn} {long}"},
+            {"role": "assistant", "content": "ok"},
+        ]
+    history.append({"role": "user", "content": "Say hello"})
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input=history, max_output_tokens=20)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    response = client.responses.create(
+        model=MODEL,
+        input=history,
+        truncation="auto",
+        instructions="Be brief.",
+        max_output_tokens=20,
+    )
+    assert response.output_text == "Hello there!" and response.truncation == "auto"
+    kept = [i.content[0].text for i in client.responses.input_items.list(response.id, order="asc")]
+    assert kept[-1] == "Say hello" and len(kept) < len(history)
+    assert kept[0].startswith(("1 ", "2 "))  # the oldest turn went first
+
+
+def test_the_openai_agents_sdk_runs_a_tool_loop(scripted_url, raw_key):
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    asked = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return "Sunny, 21"
+
+    model = OpenAIResponsesModel(
+        model=MODEL,
+        openai_client=openai.AsyncOpenAI(
+            base_url=f"{scripted_url}/v1", api_key=raw_key, max_retries=0
+        ),
+    )
+    agent = Agent(name="weather", instructions="Use tools.", model=model, tools=[get_weather])
+    result = Runner.run_sync(agent, "What is the weather in Paris?")
+    assert asked == ["Paris"]
+    assert result.final_output == "It is sunny and 21 °C in Paris."
