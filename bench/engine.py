@@ -3,8 +3,10 @@
     .venv/bin/python bench/engine.py [--model PATH] [--prompt-tokens 32] [--gen-tokens 32]
 
 Both run on this thread with the same prompts (greedy, EOS ignored), one batch size at a time.
-Then one decode step and one prefill chunk at batch 16 are timed part by part against the
-machine's own measured fp32 matmul rate. Results go in bench/RESULTS.md.
+Then the cost of structured output: batch 1 and 16 with half the rows (at batch 1, the row)
+under a JSON schema, against the same batch unconstrained. Then one decode step and one
+prefill chunk at batch 16 are timed part by part against the machine's own measured fp32
+matmul rate. Results go in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -20,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine  # noqa: F401  (first: OpenBLAS must load before mlx)
 
 # isort: split
+import llguidance
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
@@ -48,8 +52,20 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def make_engine(loaded: LoadedModel, batch: list[list[int]], max_tokens: int) -> BatchedEngine:
-    """Orchard's batched engine with `batch` queued (greedy, EOS ignored), stepped by the caller."""
+# Structured output's cost: half the rows under this schema (a string that cannot end within
+# the bench's tokens, so every row generates all of them, as the unconstrained rows do).
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 1000}},
+    "required": ["text"],
+}
+
+
+def make_engine(
+    loaded: LoadedModel, batch: list[list[int]], max_tokens: int, grammar: str | None = None
+) -> BatchedEngine:
+    """Orchard's batched engine with `batch` queued (greedy, EOS ignored), stepped by the caller;
+    with `grammar`, every other row (from the first) is constrained by it."""
     spec = ModelSpec(name="bench", path="-", max_num_seqs=16, max_num_batched_tokens=2048)
     eng = BatchedEngine(spec, lambda: loaded)
     eng.loaded = loaded
@@ -57,17 +73,34 @@ def make_engine(loaded: LoadedModel, batch: list[list[int]], max_tokens: int) ->
     eng.setup()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(batch):
-        request = GenerationRequest(f"r{i}", "bench", tuple(prompt), params)
+        row_params = params if grammar is None or i % 2 else replace(params, grammar=grammar)
+        request = GenerationRequest(f"r{i}", "bench", tuple(prompt), row_params)
         eng.scheduler.add(eng.make_request(request, lambda output: None))
     return eng
 
 
-def run_orchard(loaded: LoadedModel, batch: list[list[int]], gen: int) -> float:
-    eng = make_engine(loaded, batch, gen)
+def run_orchard(
+    loaded: LoadedModel, batch: list[list[int]], gen: int, grammar: str | None = None
+) -> float:
+    eng = make_engine(loaded, batch, gen, grammar)
+    if grammar is not None:
+        eng.compile_grammar(grammar)  # compiled once, as a schema sent again is
     start = time.perf_counter()
     while eng.scheduler.has_work():
         eng.step()
     return len(batch) * gen / (time.perf_counter() - start)
+
+
+def structured_cost(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(BENCH_SCHEMA)
+    print("batch | unconstrained tok/s | half the rows under a JSON schema tok/s | ratio")
+    for size in (1, 16):
+        batch = prompts(size, args.prompt_tokens, loaded.info.vocab_size)
+        free = constrained = 0.0
+        for _ in range(args.repeat):
+            free = max(free, run_orchard(loaded, batch, args.gen_tokens))
+            constrained = max(constrained, run_orchard(loaded, batch, args.gen_tokens, grammar))
+        print(f"{size:5d} | {free:19.1f} | {constrained:39.1f} | {constrained / free:5.2f}")
 
 
 def run_mlx_lm(loaded: LoadedModel, batch: list[list[int]], gen: int) -> float:
@@ -216,6 +249,7 @@ def main() -> None:
             baseline = max(baseline, run_mlx_lm(loaded, batch, args.gen_tokens))
             orchard = max(orchard, run_orchard(loaded, batch, args.gen_tokens))
         print(f"{size:5d} | {orchard:13.1f} | {baseline:10.1f}", flush=True)
+    structured_cost(loaded, args)
     if not args.skip_profile:
         profile(loaded, args.prompt_tokens)
 

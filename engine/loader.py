@@ -54,8 +54,16 @@ def load_model(
         supports_tools=bool(getattr(tokenizer, "has_tool_calling", False)),
         chat_template=chat_template_text(tokenizer)
         or (HARMONY_TEMPLATE if is_harmony_tokenizer(tokenizer) else ""),
+        added_tokens=_added_tokens(tokenizer),
     )
     return LoadedModel(model, tokenizer, config, info, source)
+
+
+def _added_tokens(tokenizer: TokenizerWrapper) -> tuple[str, ...]:
+    try:
+        return tuple(sorted(tokenizer._tokenizer.get_added_vocab()))
+    except Exception:  # a tokenizer without added tokens, or not a transformers one
+        return ()
 
 
 def load_tokenizer(

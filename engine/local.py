@@ -149,6 +149,10 @@ class LocalEngineClient(EngineClient):
         def emit(output: GenerationOutput) -> None:
             mailbox.post(outputs, output)
 
+        if request.sampling.grammar is not None:
+            await asyncio.to_thread(
+                self.worker.compile_grammar, request.model, request.sampling.grammar
+            )
         self.worker.submit(request, emit)
         num_open = request.sampling.n
         try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import queue
 import threading
@@ -30,8 +29,8 @@ import mlx.core as mx
 
 from engine import caches
 from engine.caches import CacheLayout
-from engine.constraints import JsonConstraint
-from engine.detokenizer import StreamDetokenizer, skipped_token_ids, token_bytes, token_text
+from engine.detokenizer import StreamDetokenizer, token_text
+from engine.grammar import Grammars
 from engine.loader import LoadedModel
 from engine.memory import plan_memory
 from engine.prefix_cache import PrefixCache
@@ -68,6 +67,7 @@ class EngineLoop:
         self.spec = spec
         self._load = load
         self.loaded: LoadedModel | None = None
+        self._grammars: Grammars | None = None
         self.ready: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -88,6 +88,17 @@ class EngineLoop:
     @property
     def info(self) -> ModelInfo:
         return self.ready.result()
+
+    @property
+    def grammars(self) -> Grammars:
+        """The model's structured-output grammars (made on first use, once loaded)."""
+        with self._lock:
+            if self._grammars is None:
+                loaded = self.loaded
+                self._grammars = Grammars(
+                    loaded.tokenizer, loaded.info.vocab_size, loaded.info.eos_token_ids
+                )
+            return self._grammars
 
     @property
     def is_serving(self) -> bool:
@@ -172,6 +183,12 @@ class EngineLoop:
         validate_generation(spec, self.info)
         return spec.sampling.max_tokens or self.info.context_length - len(spec.prompt_token_ids)
 
+    def compile_grammar(self, grammar: str) -> None:
+        """Compile (and cache) a request's grammar before it is submitted (any thread; it may
+        take a while for a large schema): InvalidRequestError if it is refused."""
+        self.ready.result()
+        self.grammars.constraint(grammar)
+
     def make_request(self, spec: GenerationRequest, emit: Emit) -> Request:
         """Validate and build a request: on the engine thread only (it creates MLX arrays)."""
         return self.build(spec, emit, self.check(spec))
@@ -196,14 +213,8 @@ class EngineLoop:
                 tokenizer, stop=params.stop, keep=params.keep_special_tokens
             )
             sequence = Sequence(request, index, state, detokenizer)
-            if params.json_mode:
-                sequence.constraint = JsonConstraint(
-                    functools.partial(token_bytes, tokenizer),
-                    functools.partial(tokenizer.encode, add_special_tokens=False),
-                    banned=skipped_token_ids(tokenizer)
-                    | set(info.eos_token_ids)
-                    | set(params.stop_token_ids),
-                )
+            if params.grammar is not None:
+                sequence.constraint = self.grammars.constraint(params.grammar)
             request.sequences.append(sequence)
         return request
 

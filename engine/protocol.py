@@ -22,6 +22,7 @@ MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_STOP_LENGTH = 1000
+MAX_GRAMMAR_CHARS = 1_000_000
 
 
 class EngineError(Exception):
@@ -131,13 +132,22 @@ class ModelInfo:
     # The chat template the model renders with ("" if none): the server detects the tool-call
     # and reasoning syntax from it when the registry names no parser.
     chat_template: str = ""
+    # The tokenizer's added tokens (<tool_call>, <|python_tag|>, ...), which a grammar names as
+    # tokens rather than text (inference/services/structured.py).
+    added_tokens: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelInfo:
-        return cls(**{**data, "eos_token_ids": tuple(data["eos_token_ids"])})
+        return cls(
+            **{
+                **data,
+                "eos_token_ids": tuple(data["eos_token_ids"]),
+                "added_tokens": tuple(data.get("added_tokens", ())),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -178,8 +188,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
-    # response_format {"type": "json_object"}: the completion is constrained to one JSON object.
-    json_mode: bool = False
+    # Structured output: an llguidance grammar (from a JSON schema, Lark or a regex; built and
+    # checked by the server) every token of the completion must follow (engine/grammar.py).
+    grammar: str | None = None
     # Special tokens (by their text, e.g. "[TOOL_CALLS]") that stay in the output text instead of
     # being dropped: the markers the model's tool-call parser reads. Set by the server.
     keep_special_tokens: tuple[str, ...] = ()
@@ -233,6 +244,8 @@ class SamplingParams:
             raise bad(
                 "stop", f"stop takes at most 4 non-empty strings of {MAX_STOP_LENGTH} characters."
             )
+        if self.grammar is not None and len(self.grammar) > MAX_GRAMMAR_CHARS:
+            raise bad("response_format", f"A grammar takes at most {MAX_GRAMMAR_CHARS} characters.")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids.")
         for token_id in self.stop_token_ids:

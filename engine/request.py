@@ -27,7 +27,7 @@ class Sequence:
     index: int
     sampling_state: Any  # engine.sampling.SamplingState
     detokenizer: Any  # engine.detokenizer.StreamDetokenizer
-    constraint: Any = None  # engine.constraints.JsonConstraint in JSON mode
+    constraint: Any = None  # engine.grammar.Constraint under structured output
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

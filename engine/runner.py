@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.caches import Cache, concatenate, make_cache, merge, remember, start_cache
+from engine.grammar import allowed_tokens
 from engine.prefix_cache import PrefixCache
 from engine.protocol import RequestStatus
 from engine.request import Request, Sequence
@@ -36,8 +37,6 @@ from engine.scheduler import SchedulerOutput
 
 # Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
 _KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-# A JSON-mode row whose sampled token is invalid picks the best allowed one among this many.
-CANDIDATES = 128
 
 
 @dataclass(frozen=True)
@@ -94,9 +93,16 @@ def last_logits(model: nn.Module) -> Callable[[mx.array, Cache, list[int]], mx.a
     return whole
 
 
+def sample_rows(logits: mx.array, seqs: list[Sequence], num_ahead: int = 0) -> SampleResult:
+    """Sample row i of `logits` (B, V) for `seqs[i]`, constrained rows from their grammar's
+    allowed tokens (nothing is evaluated)."""
+    allowed = allowed_tokens([seq.constraint for seq in seqs], logits.shape[-1])
+    return sample_batch(logits, [seq.sampling_state for seq in seqs], num_ahead, allowed)
+
+
 def sample(logits: mx.array, seqs: list[Sequence]) -> list[Sampled]:
     """Sample one token per row of `logits` (B, V) and bring the results to the host at once."""
-    return collect([(seqs, sample_batch(logits, [seq.sampling_state for seq in seqs]))])
+    return collect([(seqs, sample_rows(logits, seqs))])
 
 
 def _arrays(result: SampleResult) -> list[mx.array]:
@@ -112,7 +118,7 @@ def collect(
     batches: list[tuple[list[Sequence], SampleResult]], keep: set[int] | None = None
 ) -> list[Sampled]:
     """Bring sampled batches to the host with one sync; rows of sequences whose id is not in
-    `keep` (when given) are dropped, and JSON-mode rows get their constraint applied."""
+    `keep` (when given) are dropped."""
     mx.eval([array for _, result in batches for array in _arrays(result)])
     out = []
     for seqs, result in batches:
@@ -126,8 +132,6 @@ def _to_host(result: SampleResult, seqs: list[Sequence], rows: list[int]) -> lis
     logprobs = result.logprobs.tolist() if result.logprobs is not None else None
     top_ids = result.top_ids.tolist() if result.top_ids is not None else None
     top_logprobs = result.top_logprobs.tolist() if result.top_ids is not None else None
-    if any(seqs[row].constraint is not None for row in rows):
-        _constrain(result.logits, seqs, token_ids, logprobs)
     out = []
     for row in rows:
         seq = seqs[row]
@@ -143,50 +147,6 @@ def _to_host(result: SampleResult, seqs: list[Sequence], rows: list[int]) -> lis
         )
         out.append(Sampled(seq, token_ids[row], logprobs[row], top))
     return out
-
-
-def _constrain(
-    logits: mx.array, seqs: list[Sequence], token_ids: list[int], logprobs: list[float] | None
-) -> None:
-    """Replace, in place, each constrained row's token that its constraint does not allow.
-
-    Only rows that need it touch the device again: those whose token is invalid rank their
-    `CANDIDATES` most likely tokens (the logprob distribution) and take the first allowed one.
-    """
-    replaced: dict[int, int | None] = {}  # row -> its replacement; None: rank candidates
-    for row, seq in enumerate(seqs):
-        constraint = seq.constraint
-        if constraint is None:
-            continue
-        forced = constraint.forced_token(seq.request.max_tokens - len(seq.output_token_ids))
-        if forced is not None:
-            if forced != token_ids[row]:
-                replaced[row] = forced
-        elif not constraint.allows(token_ids[row]):
-            replaced[row] = None
-    if not replaced:
-        return
-    ranked = [row for row, token in replaced.items() if token is None]
-    if ranked:
-        num = min(CANDIDATES, logits.shape[-1])
-        rows = logits[mx.array(ranked)]
-        candidates = mx.argpartition(-rows, num - 1, axis=-1)[:, :num]
-        order = mx.argsort(-mx.take_along_axis(rows, candidates, axis=-1), axis=-1)
-        ranked_ids = mx.take_along_axis(candidates, order, axis=-1).tolist()
-        for row, ids in zip(ranked, ranked_ids, strict=True):
-            constraint = seqs[row].constraint
-            replaced[row] = next(
-                (t for t in ids if constraint.allows(t)), constraint.forced_token(0)
-            )
-    for row, token in replaced.items():
-        token_ids[row] = token
-    if logprobs is not None:
-        rows = mx.array(list(replaced))
-        chosen = mx.array(list(replaced.values()))[:, None]
-        picked = logits[rows].astype(mx.float32)
-        values = mx.take_along_axis(picked, chosen, axis=-1)[:, 0] - mx.logsumexp(picked, axis=-1)
-        for row, value in zip(replaced, values.tolist(), strict=True):
-            logprobs[row] = value
 
 
 @dataclass
@@ -209,7 +169,7 @@ class BatchRunner:
     step's still-lazy token ids, before this step's tokens reach the host. The device then never
     waits for Orchard's host work (sync, stop checks, detokenizing, graph building). A row that
     finishes meanwhile just has its extra token dropped (its cache row goes with it). Rows whose
-    next token depends on host decisions (penalty history, a JSON constraint) never run ahead.
+    next token depends on host decisions (penalty history, a grammar) never run ahead.
     On MLX's CPU backend `mx.async_eval` returns only when the work is done, so there it
     changes the order of work but overlaps nothing (bench/RESULTS.md); Metal and CUDA overlap.
     """
@@ -357,7 +317,7 @@ class BatchRunner:
             rows = [seq.request for seq in seqs]
             requests = list(dict.fromkeys(id(r) for r in rows))
             logits = logits[mx.array([requests.index(id(r)) for r in rows])]
-        result = sample_batch(logits, [seq.sampling_state for seq in seqs])
+        result = sample_rows(logits, seqs)
         mx.async_eval(_arrays(result))
         return result
 
@@ -408,7 +368,7 @@ class BatchRunner:
         if inputs is None:
             inputs = mx.array([seq.token_at(seq.num_tokens - 1) for seq in seqs])
         logits = self.model(inputs[:, None], cache=cache)[:, -1, :]
-        result = sample_batch(logits, [seq.sampling_state for seq in seqs], num_ahead)
+        result = sample_rows(logits, seqs, num_ahead)
         mx.async_eval(_arrays(result))
         return result
 

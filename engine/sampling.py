@@ -162,11 +162,18 @@ class SampleResult:
     top_logprobs: mx.array | None = None
 
 
-def sample_batch(logits: mx.array, states: list[SamplingState], num_ahead: int = 0) -> SampleResult:
+def sample_batch(
+    logits: mx.array,
+    states: list[SamplingState],
+    num_ahead: int = 0,
+    allowed: mx.array | None = None,
+) -> SampleResult:
     """Pick the next token of each row of `logits` (B, V), row i following `states[i]`.
 
     `num_ahead` is how many tokens each row has sampled beyond those appended to its state:
-    1 when this step is built before the previous step's tokens reached the host.
+    1 when this step is built before the previous step's tokens reached the host. `allowed`
+    (B, V) booleans, when given, are the only tokens each row may draw (structured output,
+    engine/grammar.py): the others are masked before sampling and logprobs.
 
     Logprobs are the log-softmax of the logits after logit_bias, the EOS mask and penalties,
     before temperature and truncation: the model's own distribution, which is what OpenAI
@@ -176,6 +183,8 @@ def sample_batch(logits: mx.array, states: list[SamplingState], num_ahead: int =
     assert len(states) == num_rows, "one SamplingState per logits row"
     if any(s._needs_processing(num_ahead) for s in states):
         logits = _process(logits.astype(mx.float32), states, num_ahead)
+    if allowed is not None:
+        logits = mx.where(allowed, logits.astype(mx.float32), -math.inf)
 
     sample_rows = [i for i, s in enumerate(states) if not s._greedy]
     if len(sample_rows) == num_rows:

@@ -207,6 +207,9 @@ class EngineWorker:
             # Replaced between the lookup and the submit: its successor takes the request.
             self.get(request.model).submit(request, emit)
 
+    def compile_grammar(self, model: str, grammar: str) -> None:
+        self.get(model).compile_grammar(grammar)
+
     def abort(self, model: str, request_id: str) -> None:
         # A draining engine may still hold the request.
         engines = [self._engines.get(model)] + [e for e in self._retired if e.spec.name == model]

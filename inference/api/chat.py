@@ -22,6 +22,7 @@ from inference.api.common import (
 from inference.api.serializers import ChatCompletionSerializer, MessageError, normalize_messages
 from inference.errors import APIError
 from inference.services.generation import GenerationCall, generation_start
+from inference.services.structured import extension_grammar, response_format_grammar
 
 # Body fields that are SamplingParams fields of the same name.
 SAMPLING_FIELDS = (
@@ -47,8 +48,8 @@ def tools_for_template(data: dict[str, Any]) -> tuple[dict, ...] | None:
 
     tool_choice "auto" (the default with tools) and "required" give the model every tool;
     a named function gives it only that one; "none" gives it none (and replies are not parsed
-    for calls). "required" and a named function are a strong hint, not a guarantee: the
-    model is not constrained to call (README, "Tool calls")."""
+    for calls). With "required" and a named function the reply is constrained to a call
+    (`GenerationCall.require_tool_call`)."""
     tools = data.get("tools") or ()
     choice = data.get("tool_choice")
     if isinstance(choice, dict):
@@ -85,7 +86,7 @@ def chat_call(data: dict[str, Any]) -> GenerationCall:
         max_tokens=data.get("max_tokens") if max_tokens is None else max_tokens,
         logprobs=bool(data.get("logprobs")),
         top_logprobs=data.get("top_logprobs"),
-        json_mode=(data.get("response_format") or {}).get("type") == "json_object",
+        grammar=structured_output(data.get("response_format"), data.get("structured_outputs")),
     )
     return GenerationCall(
         endpoint="chat.completions",
@@ -97,7 +98,28 @@ def chat_call(data: dict[str, Any]) -> GenerationCall:
         parse_output=True,
         tools=tools,
         parallel_tool_calls=data.get("parallel_tool_calls") is not False,
+        require_tool_call=requires_tool_call(data.get("tool_choice"), tools),
     )
+
+
+def requires_tool_call(choice: Any, tools: tuple | None) -> bool:
+    return bool(tools) and (choice == "required" or isinstance(choice, dict))
+
+
+def structured_output(
+    response_format: Any, extension: Any, format_param: str = "response_format"
+) -> str | None:
+    """The grammar a body asks for: its response format or the structured_outputs extension
+    (not both)."""
+    from_format = response_format_grammar(response_format, format_param)
+    extension = extension_grammar(extension)
+    if from_format is not None and extension is not None:
+        raise APIError(
+            400,
+            f"Give either {format_param} or structured_outputs, not both.",
+            param="structured_outputs",
+        )
+    return from_format if extension is None else extension
 
 
 @csrf_exempt

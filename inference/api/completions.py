@@ -23,6 +23,7 @@ from inference.api.common import (
 from inference.api.serializers import CompletionSerializer
 from inference.errors import APIError
 from inference.services.generation import GenerationCall, generation_start
+from inference.services.structured import extension_grammar
 
 # OpenAI's default for this endpoint; chat defaults to the rest of the context.
 DEFAULT_MAX_TOKENS = 16
@@ -47,6 +48,7 @@ def completion_call(data: dict[str, Any]) -> GenerationCall:
         max_tokens=data.get("max_tokens"),
         logprobs=want_logprobs,
         top_logprobs=data.get("logprobs"),
+        grammar=extension_grammar(data.get("structured_outputs")),
     )
     return GenerationCall(
         endpoint="completions",

@@ -137,12 +137,19 @@ class ChatCompletionSerializer(SamplingSerializer):
     parallel_tool_calls = StrictBooleanField(required=False, allow_null=True)
     chat_template_kwargs = serializers.DictField(required=False, allow_null=True)
 
+    structured_outputs = serializers.DictField(required=False, allow_null=True)
+
     def validate_response_format(self, value: dict | None) -> dict | None:
         if value is None:
             return None
-        if value.get("type") not in ("text", "json_object"):
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
             raise serializers.ValidationError(
-                "response_format.type must be 'text' or 'json_object'."
+                "response_format.type must be 'text', 'json_object' or 'json_schema'."
+            )
+        if kind == "json_schema" and not isinstance(value.get("json_schema"), dict):
+            raise serializers.ValidationError(
+                "response_format json_schema needs a 'json_schema' object with the 'schema'."
             )
         return value
 
@@ -185,6 +192,7 @@ class CompletionSerializer(SamplingSerializer):
     logprobs = IntField(required=False, allow_null=True)
     suffix = StrictCharField(required=False, allow_null=True, allow_blank=True)
     best_of = IntField(required=False, allow_null=True)
+    structured_outputs = serializers.DictField(required=False, allow_null=True)
 
     def validate_logprobs(self, value: int | None) -> int | None:
         # The legacy endpoint's own limit (chat allows top_logprobs up to 20).

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from engine.constraints import (
+from inference.parsers.json_prefix import (
     AFTER_VALUE,
     ARRAY_OPEN,
     DONE,

@@ -53,6 +53,7 @@ from inference.parsers.registry import OutputParsing, detect_reasoning_parser, d
 from inference.services.execution import ERROR_RELOADING, Execution, admission_refused
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
 from inference.services.registry import model_for_key, model_spec
+from inference.services.structured import tool_call_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class GenerationCall:
     parse_output: bool = False
     tools: tuple[Mapping[str, Any], ...] | None = None
     parallel_tool_calls: bool = True
+    # tool_choice "required" or a named function: the reply is constrained to a call of one of
+    # `tools` in the model's tool-call syntax. (Other structured output arrives as
+    # sampling["grammar"], built by the endpoint from its own fields.)
+    require_tool_call: bool = False
 
     def name(self, param: str | None) -> str | None:
         """The body field a validation error's parameter stands for."""
@@ -173,6 +178,10 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
     parsing = output_parsing(call, entry, info, prompts[0].tail_text) if call.parse_output else None
     if parsing is not None and parsing.markers:
         sampling = dataclasses.replace(sampling, keep_special_tokens=parsing.markers)
+    if call.require_tool_call:
+        sampling = dataclasses.replace(
+            sampling, grammar=_tool_grammar(call, sampling, parsing, info)
+        )
     requests = []
     for index, rendered in enumerate(prompts):
         request = GenerationRequest(
@@ -206,6 +215,38 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
     )
     await execution.start()
     return Generation(execution, entry, prompt_texts, parsing)
+
+
+def _tool_grammar(
+    call: GenerationCall, sampling: SamplingParams, parsing: OutputParsing | None, info: ModelInfo
+) -> str:
+    """The grammar that makes the reply a call of one of the call's tools."""
+    parser = parsing.tool_parser if parsing is not None else ""
+    if not parser:
+        raise APIError(
+            400,
+            f"tool_choice requires a tool call, but the model '{info.name}' has no tool-call "
+            "parser (its chat template shows no tool syntax and the registry names none).",
+            param="tool_choice",
+        )
+    if sampling.grammar is not None:
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function cannot be combined with structured "
+            "output (response_format / structured_outputs).",
+            param="tool_choice",
+        )
+    grammar = tool_call_grammar(
+        parser, call.tools or (), parallel=call.parallel_tool_calls, added_tokens=info.added_tokens
+    )
+    if grammar is None:
+        raise APIError(
+            400,
+            f"tool_choice requires a tool call, which cannot be enforced for the '{parser}' "
+            "tool-call syntax; use tool_choice 'auto'.",
+            param="tool_choice",
+        )
+    return grammar
 
 
 def model_parsers(entry: ModelEntry, info: ModelInfo) -> tuple[str, str]:

@@ -15,6 +15,7 @@ from engine.protocol import (
     SamplingParams,
 )
 from engine.worker import EngineWorker
+from inference.services.structured import json_schema_grammar
 from tests.engine.conftest import eventually, greedy, make_request
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -87,8 +88,9 @@ async def test_stop_string_does_not_end_a_stream_before_min_tokens(client):
     assert "".join(o.text for o in outputs).startswith(stop)
 
 
-async def test_json_mode_stream_is_one_object(client):
-    outputs = await run(client, greedy(20, json_mode=True))
+async def test_a_grammar_constrained_stream_is_one_object(client):
+    grammar = json_schema_grammar({"type": "object"}, "response_format")
+    outputs = await run(client, greedy(40, grammar=grammar))
     assert isinstance(json.loads("".join(o.text for o in outputs)), dict)
     assert outputs[-1].finish_reason == "stop"
 

@@ -45,6 +45,7 @@ class ResponseCreateSerializer(serializers.Serializer):
     prompt = serializers.JSONField(required=False, allow_null=True)
     # Orchard extensions (the same fields as on chat completions; `extra_body` in the SDKs).
     chat_template_kwargs = serializers.DictField(required=False, allow_null=True)
+    structured_outputs = serializers.DictField(required=False, allow_null=True)
     top_k = IntField(required=False, allow_null=True)
     min_p = NumberField(required=False, allow_null=True)
     seed = IntField(required=False, allow_null=True)
@@ -73,13 +74,12 @@ class ResponseCreateSerializer(serializers.Serializer):
         value = value or {}
         fmt = value.get("format") or {"type": "text"}
         kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind == "json_schema":
+        if kind not in ("text", "json_object", "json_schema"):
             raise serializers.ValidationError(
-                "text.format json_schema is not supported yet (structured output); use "
-                "'json_object' or 'text'."
+                "text.format.type must be 'text', 'json_object' or 'json_schema'."
             )
-        if kind not in ("text", "json_object"):
-            raise serializers.ValidationError("text.format.type must be 'text' or 'json_object'.")
+        if kind == "json_schema" and not isinstance(fmt.get("schema"), dict):
+            raise serializers.ValidationError("text.format json_schema needs a 'schema' object.")
         return {**value, "format": fmt}
 
     def validate_reasoning(self, value: dict | None) -> dict:

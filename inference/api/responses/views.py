@@ -24,7 +24,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from accounts.models import ApiKey
 from engine.protocol import PromptInput
-from inference.api.chat import tools_for_template
+from inference.api.chat import requires_tool_call, structured_output, tools_for_template
 from inference.api.common import authenticate, json_response, parse_json_body, validate
 from inference.api.common import streaming_response as sse_response
 from inference.api.responses import items as input_items
@@ -93,7 +93,9 @@ def _call(data: dict[str, Any], conversation: list[dict[str, Any]]) -> Generatio
     sampling = {name: data.get(name) for name in SAMPLING_FIELDS}
     sampling.update(
         max_tokens=data.get("max_output_tokens"),
-        json_mode=_text_config(data)["format"]["type"] == "json_object",
+        grammar=structured_output(
+            _text_config(data)["format"], data.get("structured_outputs"), "text.format"
+        ),
     )
     return GenerationCall(
         endpoint="responses",
@@ -105,6 +107,7 @@ def _call(data: dict[str, Any], conversation: list[dict[str, Any]]) -> Generatio
         parse_output=True,
         tools=tools,
         parallel_tool_calls=data.get("parallel_tool_calls") is not False,
+        require_tool_call=requires_tool_call(choice, tools),
     )
 
 

@@ -409,7 +409,11 @@ def test_a_client_leaving_mid_stream_is_billed_for_what_it_got(scripted_url, raw
         ({"input": [{"type": "computer_call_output"}]}, "input[0].type"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-        ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text"),
+        (
+            {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "x"}}}},
+            "text.format",
+        ),
+        ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),

@@ -1,22 +1,13 @@
-"""JSON mode: constrain a sequence's output to one syntactically valid JSON object.
+"""An incremental recogniser of prefixes of a JSON object, for the tool-call parsers: where a
+streamed call's arguments stand, and the text that would close them (arguments cut short are
+closed after their last complete value).
 
-`JsonPrefix` is an incremental, character-level recogniser of prefixes of a JSON object
-(RFC 8259 grammar, top level `{...}` after optional whitespace). Its states are immutable
-tuples, so trying a candidate token costs only the characters of that token and never copies
-or undoes anything.
-
-`JsonConstraint` applies it to one sequence's tokens. Sampling stays unconstrained and fully
-batched on the device; after the batch's tokens reach the host, each json-mode row's token is
-checked here, and only a row whose token is invalid pays for ranking its top candidates
-(engine/runner.py). When the tokens left under max_tokens only just suffice to close the object,
-the constraint forces the shortest completion; the engine ends the sequence ("stop") as soon as
-the object closes, so no EOS token is needed.
+`advance_text` reads characters into an immutable state (RFC 8259 grammar, top level `{...}`
+after optional whitespace), so trying text never copies or undoes anything; `closing_text`
+gives the shortest text that closes the object from a state.
 """
 
 from __future__ import annotations
-
-import codecs
-from collections.abc import Callable, Iterable
 
 _WHITESPACE = " \t\n\r"
 # Longest run of whitespace between tokens of the object: a newline and an indentation
@@ -166,60 +157,3 @@ def closing_text(state: State) -> str:
         return aux + _closers(stack)
     prefix = {START: "{}", OBJECT_KEY: '"":0', COLON: ":0", VALUE: "0"}.get(mode, "")
     return prefix + _closers(stack)
-
-
-class JsonConstraint:
-    """One sequence's JSON-object constraint over token ids.
-
-    `token_bytes(id)` gives a token's bytes exactly as the detokenizer decodes them; `banned`
-    are ids that add no text (special tokens, EOS, stop ids) and so are never valid.
-    `encode(text)` tokenizes the closing text when the object must be closed.
-    """
-
-    def __init__(
-        self,
-        token_bytes: Callable[[int], bytes],
-        encode: Callable[[str], list[int]],
-        banned: Iterable[int],
-    ) -> None:
-        self._token_bytes = token_bytes
-        self._encode = encode
-        self._banned = frozenset(banned)
-        self._state = INITIAL
-        self._pending = b""  # bytes of a character split across tokens
-
-    @property
-    def is_complete(self) -> bool:
-        return self._state[0] == DONE
-
-    def _after(self, token_id: int) -> tuple[State, bytes] | None:
-        if token_id in self._banned:
-            return None
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text = decoder.decode(self._pending + self._token_bytes(token_id))
-        state = advance_text(self._state, text)
-        pending = decoder.getstate()[0]
-        # Half a character can only be valid inside a string.
-        if state is None or (pending and state[0] != STRING):
-            return None
-        return state, pending
-
-    def allows(self, token_id: int) -> bool:
-        return self._after(token_id) is not None
-
-    def forced_token(self, num_tokens_left: int) -> int | None:
-        """The token that must come next to close the object in time, if it comes to that.
-
-        A token covers at least one character, so closing never needs more tokens than its
-        text has characters; start closing when that many are left. (Bytes of a split
-        character still pending then decode as U+FFFD, which a string may hold.)
-        """
-        closing = closing_text(self._state)
-        if len(closing) < num_tokens_left:
-            return None
-        return self._encode(closing)[0]
-
-    def accept(self, token_id: int) -> None:
-        after = self._after(token_id)
-        assert after is not None, "accept only tokens the constraint allows"
-        self._state, self._pending = after

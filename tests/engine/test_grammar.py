@@ -1,0 +1,144 @@
+"""Structured output in the engine (llguidance): over many seeds, temperatures and schemas, on
+tiny random-weight models with the real Qwen3 and Llama 3 tokenizers, every completion that
+ends with "stop" parses and validates; regexes match; rows under a grammar beside free ones
+leave those unchanged; greedy output is the same alone, batched and on the simple engine."""
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from engine.loader import load_model
+from engine.protocol import SamplingParams
+from inference.services.structured import extension_grammar, json_schema_grammar
+from tests.engine.conftest import greedy, make_request, run_batched, run_simple
+from tests.fixtures.tiny_models import build_tiny_model
+
+SCHEMAS = [
+    {"type": "object"},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green", "blue"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+            "score": {"type": "number", "minimum": -1, "maximum": 1},
+        },
+        "required": ["colour", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "label": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 6}]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["point", "label", "ok"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3_1"])
+def loaded(request):
+    return load_model(build_tiny_model(model_type="llama", tokenizer=request.param))
+
+
+def prompts(loaded, count, seed):
+    rng = random.Random(seed)
+    vocab = loaded.info.vocab_size
+    return [[rng.randrange(1000, vocab // 2) for _ in range(3 + i % 5)] for i in range(count)]
+
+
+@pytest.mark.slow
+def test_every_completion_that_stops_validates_against_its_schema(loaded):
+    requests, schemas = [], {}
+    for index, schema in enumerate(SCHEMAS):
+        grammar = json_schema_grammar(schema, "response_format")
+        for j, prompt in enumerate(prompts(loaded, 4, seed=index)):
+            rid = f"s{index}-{j}"
+            schemas[rid] = schema
+            params = SamplingParams(
+                temperature=[0.0, 0.7, 1.0, 1.5][j], seed=j, max_tokens=120, n=2, grammar=grammar
+            )
+            requests.append(make_request(rid, prompt, params))
+    collector = run_batched(loaded, requests, join_at=[i % 3 for i in range(len(requests))])
+    stopped = 0
+    for request in requests:
+        rid = request.request_id
+        for choice in range(2):
+            text, reason = collector.text(rid, choice), collector.finish_reason(rid, choice)
+            assert reason in ("stop", "length"), (rid, reason)
+            if reason == "stop":
+                stopped += 1
+                jsonschema.validate(json.loads(text), schemas[rid])
+    assert stopped >= len(requests)  # most of the 2 x 16 completions close within 120 tokens
+
+
+@pytest.mark.slow
+def test_regex_and_choice_outputs_match(loaded):
+    pattern = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+    regex = extension_grammar({"regex": pattern})
+    choice = extension_grammar({"choice": ["yes", "no", "maybe"]})
+    requests = [
+        make_request(f"r{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=40, grammar=g))
+        for i, (p, g) in enumerate(
+            zip(prompts(loaded, 8, seed=9), [regex, choice] * 4, strict=True)
+        )
+    ]
+    collector = run_batched(loaded, requests)
+    for index, request in enumerate(requests):
+        text = collector.text(request.request_id)
+        assert collector.finish_reason(request.request_id) == "stop", text
+        if index % 2 == 0:
+            assert re.fullmatch(pattern, text), text
+        else:
+            assert text in ("yes", "no", "maybe")
+
+
+@pytest.mark.slow
+def test_constrained_rows_leave_free_rows_unchanged_and_greedy_is_identical(loaded):
+    grammar = json_schema_grammar(SCHEMAS[1], "response_format")
+    batch = prompts(loaded, 6, seed=4)
+    constrained = [
+        make_request(f"c{i}", p, greedy(40, grammar=grammar, logprobs=True, top_logprobs=2))
+        for i, p in enumerate(batch[:3])
+    ]
+    free = [make_request(f"f{i}", p, greedy(20, ignore_eos=True)) for i, p in enumerate(batch[3:])]
+    together = run_batched(loaded, constrained + free, join_at=[0, 1, 2, 0, 1, 3])
+    simple = run_simple(loaded, constrained)
+    for request in free:
+        rid = request.request_id
+        assert together.tokens(rid) == run_batched(loaded, [request]).tokens(rid)
+    for request in constrained:
+        rid = request.request_id
+        alone = run_batched(loaded, [request])
+        assert together.tokens(rid) == alone.tokens(rid) == simple.tokens(rid), rid
+        if alone.finish_reason(rid) == "stop":
+            jsonschema.validate(json.loads(alone.text(rid)), SCHEMAS[1])
+        logprobs = [lp for event in alone.events[(rid, 0)] for lp in event.logprobs]
+        assert [lp.token_id for lp in logprobs] == alone.tokens(rid)
+
+
+def test_a_length_stop_may_cut_the_output(loaded):
+    grammar = json_schema_grammar(SCHEMAS[1], "response_format")
+    request = make_request("short", [1000, 2000, 3000], greedy(3, grammar=grammar))
+    collector = run_batched(loaded, [request])
+    assert collector.finish_reason("short") == "length"
+    assert collector.text("short").startswith("{")
