@@ -92,7 +92,7 @@ class BatchedEngine(EngineLoop):
             try:
                 self.accept(item)
             except Exception as exc:
-                # Stop checks, detokenizing, the JSON constraint and `emit` are per request:
+                # Stop checks, detokenizing, a grammar and `emit` are per request:
                 # a failure there ends that request only; the row leaves with the finished ones.
                 logger.exception("request %s failed", item.seq.request.request_id)
                 self.finish(item.seq.request, RequestStatus.FINISHED_ERROR, describe(exc))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 COMPILED_GRAMMARS_PER_MODEL = 64
 _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
+# llguidance tokenizers (about a second to build) by the tokenizer and vocabulary they read:
+# engines of one loaded model (a reload with the same folder, tests) share one.
+_ll_tokenizers: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def _shared_executor() -> llguidance.LLExecutor:
@@ -92,9 +96,14 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
-                )
+                with _executor_lock:
+                    built = _ll_tokenizers.setdefault(self._hf_tokenizer, {})
+                key = (self._vocab_size, tuple(self._eos_token_ids))
+                if key not in built:
+                    built[key] = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
+                    )
+                self._tokenizer = built[key]
             return self._tokenizer
 
     def constraint(self, grammar: str, *, param: str = "response_format") -> GrammarConstraint:

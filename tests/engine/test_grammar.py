@@ -6,6 +6,7 @@ leave those unchanged; greedy output is the same alone, batched and on the simpl
 import json
 import random
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -13,7 +14,14 @@ import pytest
 from engine.loader import load_model
 from engine.protocol import SamplingParams
 from inference.services.structured import extension_grammar, json_schema_grammar
-from tests.engine.conftest import greedy, make_request, run_batched, run_simple
+from tests.engine.conftest import (
+    drive,
+    greedy,
+    make_request,
+    manual_engine,
+    run_batched,
+    run_simple,
+)
 from tests.fixtures.tiny_models import build_tiny_model
 
 SCHEMAS = [
@@ -115,13 +123,13 @@ def test_regex_and_choice_outputs_match(loaded):
 @pytest.mark.slow
 def test_constrained_rows_leave_free_rows_unchanged_and_greedy_is_identical(loaded):
     grammar = json_schema_grammar(SCHEMAS[1], "response_format")
-    batch = prompts(loaded, 6, seed=4)
+    batch = prompts(loaded, 4, seed=4)
     constrained = [
-        make_request(f"c{i}", p, greedy(40, grammar=grammar, logprobs=True, top_logprobs=2))
-        for i, p in enumerate(batch[:3])
+        make_request(f"c{i}", p, greedy(30, grammar=grammar, logprobs=True, top_logprobs=2))
+        for i, p in enumerate(batch[:2])
     ]
-    free = [make_request(f"f{i}", p, greedy(20, ignore_eos=True)) for i, p in enumerate(batch[3:])]
-    together = run_batched(loaded, constrained + free, join_at=[0, 1, 2, 0, 1, 3])
+    free = [make_request(f"f{i}", p, greedy(16, ignore_eos=True)) for i, p in enumerate(batch[2:])]
+    together = run_batched(loaded, constrained + free, join_at=[0, 1, 0, 2])
     simple = run_simple(loaded, constrained)
     for request in free:
         rid = request.request_id
@@ -142,3 +150,18 @@ def test_a_length_stop_may_cut_the_output(loaded):
     collector = run_batched(loaded, [request])
     assert collector.finish_reason("short") == "length"
     assert collector.text("short").startswith("{")
+
+
+def test_chunked_prefill_and_a_prefix_hit_keep_the_grammar(loaded):
+    grammar = json_schema_grammar(SCHEMAS[2], "response_format")
+    prompt = [token for row in prompts(loaded, 6, seed=11) for token in row] * 4
+    request = make_request("long", prompt, greedy(30, grammar=grammar))
+    whole = run_batched(loaded, [request])
+    engine = manual_engine(loaded, prefill_chunk_tokens=8)
+    running = make_request("running", prompt[:5], greedy(40, ignore_eos=True))
+    chunked = drive(engine, [running, request], join_at=[0, 1])
+    again = drive(engine, [replace(request, request_id="again")])
+    assert chunked.tokens("long") == whole.tokens("long") == again.tokens("again")
+    assert again.cached("again") >= len(prompt) // 2  # resumed from the prefix cache
+    if whole.finish_reason("long") == "stop":
+        jsonschema.validate(json.loads(whole.text("long")), SCHEMAS[2])

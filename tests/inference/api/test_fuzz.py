@@ -22,7 +22,15 @@ CHAT = {
     "temperature": 0,
 }
 COMPLETION = {"model": TINY, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
-RESPONSE = {"model": TINY, "input": "Hi", "max_output_tokens": 2, "temperature": 0}
+# The regex bounds the reply whatever a mutation does to max_output_tokens (a mutation that
+# drops it would otherwise generate the rest of the context).
+RESPONSE = {
+    "model": TINY,
+    "input": "Hi",
+    "max_output_tokens": 2,
+    "temperature": 0,
+    "structured_outputs": {"regex": "ok"},
+}
 
 # Raw JSON text for values Python's json.dumps cannot write (or writes as non-JSON).
 DEEP = "[" * 5000 + "]" * 5000

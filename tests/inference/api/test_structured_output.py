@@ -258,3 +258,16 @@ def test_required_tool_choice_without_a_tool_parser_is_a_400(client, smollm2_pat
             model="no-tool-syntax", messages=ASK, tools=TOOLS, tool_choice="required"
         )
     assert caught.value.body["param"] == "tool_choice"
+
+
+def test_forced_tool_calls_in_harmony(client):
+    """gpt-oss: the forced call is a commentary message to=functions.NAME, read by the harmony
+    parser from the token ids."""
+    model_register(
+        name="tiny-gpt-oss-forced", path=build_tiny_model(model_type="llama", tokenizer="gptoss")
+    )
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for calls in forced_calls(client, "tiny-gpt-oss-forced", named, seeds=range(3)):
+        [call] = calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome", "Oslo")
