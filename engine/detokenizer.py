@@ -211,6 +211,7 @@ class StreamDetokenizer:
         self._held = ""  # decoded text not yet emitted: a possible start of a stop string
         self.text = ""
         self.stopped = False
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def add(self, token_id: int, *, match_stop: bool = True) -> str:
         """Feed one token; return the newly final text (possibly empty).
@@ -231,9 +232,11 @@ class StreamDetokenizer:
     def _emit(self, new_text: str, *, final: bool, match: bool = True) -> str:
         held = self._held + new_text
         stops = self._stop if match else ()
-        match_at = min((i for i in (held.find(s) for s in stops) if i >= 0), default=-1)
+        found = [(at, s) for s in stops if (at := held.find(s)) >= 0]
+        match_at = min(found)[0] if found else -1
         if match_at >= 0:
             self.stopped = True
+            self.matched_stop = min(found)[1]
             out, self._held = held[:match_at], ""
         else:
             keep = 0 if final else self._partial_stop_length(held)

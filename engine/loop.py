@@ -308,6 +308,7 @@ class EngineLoop:
                 logprobs=logprobs,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens,
+                stop_sequence=seq.detokenizer.matched_stop if status else None,
             )
         )
 

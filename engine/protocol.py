@@ -419,6 +419,7 @@ class GenerationOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended this choice, if one did
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

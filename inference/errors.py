@@ -54,6 +54,36 @@ def error_response(error: APIError) -> JsonResponse:
     return response
 
 
+# Anthropic's error types by status, for the /v1/messages routes.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_error_body(error: APIError) -> dict:
+    kind = ANTHROPIC_ERROR_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_response_for(path: str, error: APIError) -> JsonResponse:
+    """The error in the shape of the route's API: Anthropic's on /v1/messages, else OpenAI's."""
+    if not path.startswith(ANTHROPIC_PREFIX):
+        return error_response(error)
+    response = JsonResponse(anthropic_error_body(error), status=error.status)
+    for name, value in error.headers.items():
+        response[name] = value
+    return response
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(
         404,

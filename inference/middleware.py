@@ -1,7 +1,7 @@
-"""Everything under /v1 answers in OpenAI's shape: an `x-request-id` on every response, the
+"""Everything under /v1 answers in its API's shape: an `x-request-id` on every response, the
 key's `x-ratelimit-*` headers on every response once the key is known (errors included), and
 JSON error bodies instead of Django's HTML pages, even for unknown paths and unexpected
-exceptions."""
+exceptions: OpenAI's `{"error": {...}}`, on /v1/messages Anthropic's `{"type": "error", ...}`."""
 
 import logging
 import uuid
@@ -10,7 +10,7 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from accounts import limits
-from inference.errors import APIError, error_response
+from inference.errors import APIError, error_response_for
 
 logger = logging.getLogger(__name__)
 API_PREFIX = "/v1/"
@@ -32,7 +32,7 @@ class OpenAIApiMiddleware:
         response = await self.get_response(request)
         if response.status_code >= 400 and not isinstance(response, JsonResponse):
             allow = response.get("Allow")
-            response = error_response(_error_for_status(response.status_code))
+            response = error_response_for(request.path, _error_for_status(response.status_code))
             if allow:
                 response["Allow"] = allow
         response["x-request-id"] = request.orchard_request_id
@@ -55,9 +55,11 @@ class OpenAIApiMiddleware:
         if not request.path.startswith(API_PREFIX):
             return None
         if isinstance(exception, APIError):
-            return error_response(exception)
+            return error_response_for(request.path, exception)
         logger.exception("Unhandled error in %s", request.path)
-        return error_response(APIError(500, "The server had an error processing your request."))
+        return error_response_for(
+            request.path, APIError(500, "The server had an error processing your request.")
+        )
 
 
 def _error_for_status(status: int) -> APIError:

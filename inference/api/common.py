@@ -30,9 +30,14 @@ ERROR_UNPARSABLE = (
 ERROR_STREAM_FAILED = "The server had an error while streaming this response."
 
 
-async def authenticate(request: HttpRequest) -> ApiKey:
+async def authenticate(request: HttpRequest, *, x_api_key: bool = False) -> ApiKey:
+    """The request's key from `Authorization: Bearer` (or, with `x_api_key`, from `x-api-key`
+    as Anthropic's clients send it)."""
+    header = request.headers.get("Authorization")
+    if x_api_key and request.headers.get("x-api-key"):
+        header = f"Bearer {request.headers['x-api-key']}"
     try:
-        api_key = await sync_to_async(authenticate_header)(request.headers.get("Authorization"))
+        api_key = await sync_to_async(authenticate_header)(header)
     except AuthenticationError as exc:
         raise APIError(401, exc.message, code=exc.code) from None
     request.orchard_api_key = api_key  # for the middleware's x-ratelimit-* headers

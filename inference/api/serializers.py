@@ -21,7 +21,12 @@ def _is_int(value: Any) -> bool:
 
 
 class StrictCharField(serializers.CharField):
-    """JSON strings only: OpenAI rejects `"model": 5` rather than reading it as "5"."""
+    """JSON strings only: OpenAI rejects `"model": 5` rather than reading it as "5". Kept as
+    sent (a stop sequence or instructions may begin or end with a space)."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
 
     def to_internal_value(self, data: Any) -> str:
         if not isinstance(data, str):

@@ -249,6 +249,18 @@ def _tool_grammar(
     return grammar
 
 
+async def prompt_token_count(*, api_key: ApiKey, call: GenerationCall) -> int:
+    """How many tokens `call`'s (one) prompt renders to for its model: nothing is generated,
+    reserved or metered."""
+    entry = await sync_to_async(model_for_key)(api_key, call.model)
+    if entry is None:
+        raise model_not_found(call.model)
+    await _serving_model(entry)
+    async with _render_slot(api_key):
+        rendered = await _render(entry.name, call.prompts[0], call.prompt_param)
+    return len(rendered.token_ids)
+
+
 def model_parsers(entry: ModelEntry, info: ModelInfo) -> tuple[str, str]:
     """The model's (tool-call, reasoning) parser names: the registry's, else detected from its
     chat template. A harmony model's replies are always read by the harmony parser (its

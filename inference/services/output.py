@@ -48,6 +48,7 @@ class ChoiceDelta:
     reasoning: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
     num_tokens: int = 0  # the tokens this output carried
+    stop_sequence: str | None = None  # the stop string that ended the choice, if one did
 
 
 class ChoiceStage:
@@ -77,6 +78,7 @@ class ChoiceStage:
             reasoning=parsed.reasoning,
             tool_calls=tuple(parsed.tool_calls),
             num_tokens=len(output.token_ids),
+            stop_sequence=output.stop_sequence,
         )
 
     def _parse(self, text: str, token_ids: Sequence[int]) -> ParsedDelta:

@@ -112,6 +112,27 @@ COMPLETION_FIELDS = [
     "seed",
     "logit_bias",
 ]
+MESSAGES = {
+    "model": TINY,
+    "max_tokens": 2,
+    "messages": [{"role": "user", "content": "Hi"}],
+    "temperature": 0,
+}
+MESSAGES_FIELDS = [
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "metadata",
+]
 RESPONSE_FIELDS = [
     "model",
     "input",
@@ -160,6 +181,16 @@ TOOL_VARIANTS = [
 ]
 
 
+ANTHROPIC_MESSAGE_VARIANTS = [
+    '[{"role": "user", "content": [{"type": "tool_result"}]}]',
+    '[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]',
+    '[{"role": "assistant", "content": '
+    '[{"type": "tool_use", "id": "t", "name": "f", "input": 5}]}]',
+    '[{"role": "assistant", "content": [{"type": "thinking"}]}]',
+    '[{"role": "user", "content": [{"type": "document"}]}]',
+    '[{"role": "user", "content": [5]}]',
+    '[{"role": "user", "content": [{"text": "no type"}]}]',
+]
 MESSAGE_VARIANTS = [
     '[{"role": "user"}]',
     '[{"role": "user", "content": 5}]',
@@ -201,12 +232,15 @@ def bodies(base: dict, fields: list[str]) -> list[str]:
     return out
 
 
-def check(response: httpx.Response, body: str) -> None:
+def check(response: httpx.Response, body: str, *, anthropic: bool = False) -> None:
     assert response.status_code < 500, (response.status_code, body[:300], response.text[:300])
     if response.status_code >= 400:
         assert response.headers["content-type"].startswith("application/json"), body[:300]
+        if anthropic:
+            assert response.json()["type"] == "error", body[:300]
         error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}, body[:300]
+        keys = {"message", "type"} if anthropic else {"message", "type", "param", "code"}
+        assert set(error) == keys, body[:300]
         assert isinstance(error["message"], str) and error["message"]
 
 
@@ -226,6 +260,7 @@ def http(live_server_url, api_key):
         ("/v1/chat/completions", CHAT, CHAT_FIELDS),
         ("/v1/completions", COMPLETION, COMPLETION_FIELDS),
         ("/v1/responses", RESPONSE, RESPONSE_FIELDS),
+        ("/v1/messages", MESSAGES, MESSAGES_FIELDS),
     ],
 )
 def test_malformed_bodies_never_give_a_5xx(http, path, base, fields):
@@ -240,13 +275,17 @@ def test_malformed_bodies_never_give_a_5xx(http, path, base, fields):
         cases += [rest[:-1] + f', "tools": {t}}}' for t in TOOL_VARIANTS]
         for choice in ('{"type": "allowed_tools", "mode": "auto", "tools": 5}', '{"type": 5}'):
             cases.append(rest[:-1] + f', "tool_choice": {choice}}}')
+    if path == "/v1/messages":
+        rest = json.dumps({k: v for k, v in base.items() if k != "messages"})
+        cases += [rest[:-1] + f', "messages": {m}}}' for m in ANTHROPIC_MESSAGE_VARIANTS]
+    anthropic = path == "/v1/messages"
     statuses = []
     for body in cases:
         response = http.post(path, content=body.encode("utf-8", errors="surrogatepass"))
-        check(response, body)
+        check(response, body, anthropic=anthropic)
         statuses.append(response.status_code)
     for raw in (b"\xff\xfe{", b'{"model": "\xff"}', b"\x00" * 64):
-        check(http.post(path, content=raw), repr(raw))
+        check(http.post(path, content=raw), repr(raw), anthropic=anthropic)
     assert statuses.count(400) > len(cases) // 2  # the fuzz really reached validation
     assert 200 in statuses  # ...and some mutations are valid requests that ran
     # The server is still whole.
