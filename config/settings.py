@@ -147,6 +147,8 @@ ORCHARD_ENGINE = env_str("ORCHARD_ENGINE", "local")  # "local" today; "remote" w
 ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", True)
 # A chat template (or tokenizer) still rendering one prompt after this is stopped with a 400.
 ORCHARD_RENDER_TIMEOUT_SECONDS = env_float("ORCHARD_RENDER_TIMEOUT_SECONDS", 10.0, positive=True)
+# `GET /metrics` also accepts `Authorization: Bearer <this>` (else only staff API keys).
+ORCHARD_METRICS_TOKEN = env_str("ORCHARD_METRICS_TOKEN", "")
 # `manage.py purge_responses` deletes stored /v1/responses responses older than this by default.
 ORCHARD_RESPONSES_RETENTION_DAYS = env_int("ORCHARD_RESPONSES_RETENTION_DAYS", 30)
 

@@ -37,8 +37,10 @@ from engine.protocol import (
 from inference.engine_access import get_engine_client
 from inference.errors import APIError
 from inference.models import UsageRecord
+from inference.services import metrics
 from inference.services.output import FAILURE_CODES
-from inference.services.usage import usage_finish, usage_open, usage_reject
+from inference.services.refusals import admission_refused
+from inference.services.usage import usage_finish, usage_open
 
 logger = logging.getLogger(__name__)
 
@@ -60,30 +62,6 @@ async def _outlast_cancellation(future: asyncio.Future):
         except asyncio.CancelledError:
             if future.done():
                 return future.result()
-
-
-async def admission_refused(
-    exc: limits.RateLimitExceeded | limits.LimiterUnavailable,
-    *,
-    request_id: str,
-    api_key: ApiKey,
-    model: str,
-    endpoint: str,
-) -> APIError:
-    """Record a refused request (a finished usage row with no tokens) and build its error."""
-    await sync_to_async(usage_reject)(
-        request_id=request_id,
-        api_key=api_key,
-        model=model,
-        endpoint=endpoint,
-        error_code=exc.code,
-    )
-    if isinstance(exc, limits.LimiterUnavailable):
-        logger.error("limits unavailable: %s", exc)
-        return APIError(503, limits.ERROR_UNAVAILABLE, code=exc.code)
-    # OpenAI types an exhausted budget as its own error type, not a rate limit.
-    error_type = "insufficient_quota" if exc.code == "insufficient_quota" else None
-    return APIError(429, exc.message, code=exc.code, type=error_type, headers=exc.headers)
 
 
 def _start_error(exc: BaseException, name: Callable[[str | None], str | None]) -> BaseException:
@@ -135,6 +113,7 @@ class Execution:
     _open_choices: list[int] = field(default_factory=list)
     _started_at: float = field(default_factory=time.monotonic)
     _first_token_ms: int | None = None
+    _last_token_at: dict[int, float] = field(default_factory=dict)  # per choice, for metrics
     _finished: bool = False
     _finish_task: asyncio.Task | None = None
     _failure: str | None = None  # set by `fail`: the response broke outside the engine
@@ -272,12 +251,13 @@ class Execution:
         try:
             async with contextlib.aclosing(self._merged()) as merged:
                 async for index, output in merged:
-                    self._account(output)
+                    choice = index * self.choices_per_request + output.index
+                    self._account(choice, output)
                     # Set before yielding: a consumer that stops at a failure ends us right here.
                     if output.finish_reason in FAILURE_CODES:
                         status = UsageRecord.Status.FAILED
                         error_code = FAILURE_CODES[output.finish_reason]
-                    yield ChoiceOutput(index * self.choices_per_request + output.index, output)
+                    yield ChoiceOutput(choice, output)
             if status != UsageRecord.Status.FAILED:
                 status, error_code = UsageRecord.Status.COMPLETED, ""
         except EngineError as exc:
@@ -296,9 +276,16 @@ class Execution:
         read (a bug formatting them): the usage row says failed, not cancelled."""
         self._failure = error_code
 
-    def _account(self, output: GenerationOutput) -> None:
+    def _account(self, choice: int, output: GenerationOutput) -> None:
+        now = time.monotonic()
         if output.token_ids and self._first_token_ms is None:
-            self._first_token_ms = int((time.monotonic() - self._started_at) * 1000)
+            self._first_token_ms = int((now - self._started_at) * 1000)
+        if output.token_ids:
+            last = self._last_token_at.get(choice)
+            if last is not None:
+                gap = (now - last) / len(output.token_ids)
+                metrics.inter_token(self.model, gap, len(output.token_ids))
+            self._last_token_at[choice] = now
         self.num_completion_tokens += len(output.token_ids)
 
     async def _merged(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
@@ -375,6 +362,15 @@ class Execution:
         await asyncio.shield(detach(self._finish(status, error_code)))
 
     async def _finish(self, status: str, error_code: str) -> None:
+        metrics.request_finished(
+            endpoint=self.endpoint,
+            model=self.model,
+            status=status,
+            prompt_tokens=self.num_prompt_tokens,
+            cached_tokens=self.num_cached_tokens,
+            completion_tokens=self.num_completion_tokens,
+            time_to_first_token_ms=self._first_token_ms,
+        )
         # The request task may end (a client gone while a chunk was being sent) with the
         # outputs still suspended mid-stream: stop their readers first. Then closing a stream
         # that is still open aborts its request in the engine (once).

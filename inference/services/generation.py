@@ -50,8 +50,9 @@ from inference.engine_access import get_engine_client
 from inference.errors import APIError, model_not_found
 from inference.models import SAMPLING_DEFAULT_FIELDS, ModelEntry
 from inference.parsers.registry import OutputParsing, detect_reasoning_parser, detect_tool_parser
-from inference.services.execution import ERROR_RELOADING, Execution, admission_refused
+from inference.services.execution import ERROR_RELOADING, Execution
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
+from inference.services.refusals import admission_refused
 from inference.services.registry import model_for_key, model_spec
 from inference.services.structured import tool_call_grammar
 

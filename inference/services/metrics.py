@@ -1,0 +1,131 @@
+"""Prometheus metrics (`GET /metrics`): what the API did, counted in this process, and what the
+engines hold now, read at scrape time.
+
+Counters and histograms are fed by the execution of every generating request (its final
+status, tokens, time to first token, the gaps between its tokens) and by admission refusals;
+engine gauges (queue, running sequences, throughput, prefix cache) come from the engine
+client's stats when scraped. With several web processes each serves its own counts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.protocol import EngineStats
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+REQUESTS = Counter(
+    "orchard_requests",
+    "API requests by endpoint, model and final status (completed, cancelled, failed, rejected).",
+    ["endpoint", "model", "status"],
+    registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "orchard_prompt_tokens", "Prompt tokens.", ["endpoint", "model"], registry=REGISTRY
+)
+CACHED_TOKENS = Counter(
+    "orchard_cached_prompt_tokens",
+    "Prompt tokens served from the prefix cache.",
+    ["endpoint", "model"],
+    registry=REGISTRY,
+)
+COMPLETION_TOKENS = Counter(
+    "orchard_completion_tokens", "Generated tokens.", ["endpoint", "model"], registry=REGISTRY
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "orchard_time_to_first_token_seconds",
+    "From admission to the first generated token.",
+    ["endpoint", "model"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
+    registry=REGISTRY,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "orchard_inter_token_latency_seconds",
+    "Time between consecutive generated tokens of a choice.",
+    ["model"],
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+    registry=REGISTRY,
+)
+LIMITER_REJECTIONS = Counter(
+    "orchard_limiter_rejections",
+    "Requests refused by the key's limits, by reason (the error code).",
+    ["reason"],
+    registry=REGISTRY,
+)
+
+
+def request_finished(
+    *,
+    endpoint: str,
+    model: str,
+    status: str,
+    prompt_tokens: int,
+    cached_tokens: int,
+    completion_tokens: int,
+    time_to_first_token_ms: int | None,
+) -> None:
+    REQUESTS.labels(endpoint, model, status).inc()
+    PROMPT_TOKENS.labels(endpoint, model).inc(prompt_tokens)
+    CACHED_TOKENS.labels(endpoint, model).inc(cached_tokens)
+    COMPLETION_TOKENS.labels(endpoint, model).inc(completion_tokens)
+    if time_to_first_token_ms is not None:
+        TIME_TO_FIRST_TOKEN.labels(endpoint, model).observe(time_to_first_token_ms / 1000)
+
+
+def request_rejected(*, endpoint: str, model: str, reason: str) -> None:
+    REQUESTS.labels(endpoint, model, "rejected").inc()
+    LIMITER_REJECTIONS.labels(reason).inc()
+
+
+def inter_token(model: str, seconds_per_token: float, num_tokens: int) -> None:
+    histogram = INTER_TOKEN_LATENCY.labels(model)
+    for _ in range(num_tokens):
+        histogram.observe(seconds_per_token)
+
+
+class _EngineCollector:
+    """The engines' stats at scrape time as gauges (and the prefix cache's totals)."""
+
+    def __init__(self, stats: list[EngineStats]):
+        self.stats = stats
+
+    def collect(self):
+        gauges = {
+            "waiting": ("orchard_engine_waiting_requests", "Requests queued for the model."),
+            "running": ("orchard_engine_running_sequences", "Sequences being generated."),
+            "tps": ("orchard_engine_tokens_per_second", "Recent generation throughput."),
+            "cache_bytes": ("orchard_prefix_cache_bytes", "Bytes held by the prefix cache."),
+            "budget": ("orchard_engine_memory_budget_bytes", "The model's memory budget."),
+        }
+        families = {k: GaugeMetricFamily(n, h, labels=["model"]) for k, (n, h) in gauges.items()}
+        lookups = CounterMetricFamily(
+            "orchard_prefix_cache_lookups", "Prefix cache lookups.", labels=["model"]
+        )
+        hits = CounterMetricFamily(
+            "orchard_prefix_cache_hits", "Prefix cache hits.", labels=["model"]
+        )
+        hit_tokens = CounterMetricFamily(
+            "orchard_prefix_cache_hit_tokens",
+            "Prompt tokens not recomputed thanks to the prefix cache.",
+            labels=["model"],
+        )
+        for stats in self.stats:
+            cache = stats.prefix_cache or {}
+            families["waiting"].add_metric([stats.model], stats.num_waiting)
+            families["running"].add_metric([stats.model], stats.num_running)
+            families["tps"].add_metric([stats.model], stats.tokens_per_second)
+            families["cache_bytes"].add_metric([stats.model], cache.get("bytes", 0))
+            families["budget"].add_metric([stats.model], stats.memory_budget_bytes)
+            lookups.add_metric([stats.model], cache.get("lookups", 0))
+            hits.add_metric([stats.model], cache.get("hits", 0))
+            hit_tokens.add_metric([stats.model], cache.get("hit_tokens", 0))
+        yield from families.values()
+        yield from (lookups, hits, hit_tokens)
+
+
+def exposition(stats: list[EngineStats]) -> bytes:
+    """The text format Prometheus scrapes: this process's counts, then the engines' gauges."""
+    engines = CollectorRegistry(auto_describe=False)
+    engines.register(_EngineCollector(stats))
+    return generate_latest(REGISTRY) + generate_latest(engines)
