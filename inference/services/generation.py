@@ -159,6 +159,12 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
     entry = await sync_to_async(model_for_key)(api_key, call.model)
     if entry is None:
         raise model_not_found(call.model)
+    if entry.kind != ModelEntry.Kind.CHAT:
+        raise APIError(
+            400,
+            f"The model '{entry.name}' is an embedding model; use /v1/embeddings.",
+            param="model",
+        )
     try:
         await limits.precheck(api_key)
     except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:

@@ -19,20 +19,26 @@ def model_register(
     tool_parser: str = "",
     reasoning_parser: str = "",
     make_default: bool = False,
+    kind: str = ModelEntry.Kind.CHAT,
 ) -> ModelEntry:
-    """Add or update a registry entry for an mlx-lm model folder."""
+    """Add or update a registry entry for an mlx-lm model folder (or, with kind "embedding",
+    a sentence-transformers encoder folder)."""
     folder = Path(path).expanduser().resolve()
+    if kind not in ModelEntry.Kind.values:
+        raise ValueError(f"Unknown kind {kind!r}; choose from {', '.join(ModelEntry.Kind)}.")
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} is not an mlx-lm model folder (no config.json).")
+    if kind == ModelEntry.Kind.EMBEDDING and not (folder / "tokenizer.json").is_file():
+        raise ValueError(f"{folder} has no tokenizer.json (an embedding model needs one).")
     if engine not in ModelEntry.Engine.values:
         raise ValueError(f"Unknown engine {engine!r}; choose from {', '.join(ModelEntry.Engine)}.")
-    for kind, value, known in (
+    for what, value, known in (
         ("tool parser", tool_parser, TOOL_PARSERS),
         ("reasoning parser", reasoning_parser, REASONING_PARSERS),
     ):
         if value and value not in known:
             raise ValueError(
-                f"Unknown {kind} {value!r}; choose from {', '.join(known)} (or leave it empty "
+                f"Unknown {what} {value!r}; choose from {', '.join(known)} (or leave it empty "
                 "to detect it from the chat template)."
             )
     entry, _ = ModelEntry.objects.update_or_create(
@@ -42,9 +48,12 @@ def model_register(
             "engine": engine,
             "tool_parser": tool_parser,
             "reasoning_parser": reasoning_parser,
+            "kind": kind,
         },
     )
-    if make_default or not ModelEntry.objects.filter(is_default=True).exists():
+    if kind == ModelEntry.Kind.CHAT and (
+        make_default or not ModelEntry.objects.filter(is_default=True).exists()
+    ):
         model_set_default(entry=entry)
     return entry
 

@@ -64,21 +64,46 @@ def usage_open(
     )
 
 
-@transaction.atomic
 def usage_reject(
     *, request_id: str, api_key: ApiKey, model: str, endpoint: str, error_code: str
 ) -> UsageRecord:
     """A finished row for a request a limit refused at admission (no tokens)."""
-    now = timezone.now()
-    record = _record(
+    return usage_record_finished(
         request_id=request_id,
         api_key=api_key,
         model=model,
         endpoint=endpoint,
         status=UsageRecord.Status.REJECTED,
         error_code=error_code,
-        duration_ms=0,
-        started_at=now,
+        started_at=timezone.now(),
+    )
+
+
+@transaction.atomic
+def usage_record_finished(
+    *,
+    request_id: str,
+    api_key: ApiKey,
+    model: str,
+    endpoint: str,
+    status: str,
+    started_at: datetime.datetime,
+    prompt_tokens: int = 0,
+    error_code: str = "",
+) -> UsageRecord:
+    """A row written once, finished, for a request that does not stream (a refusal, an
+    embeddings call), rolled up at once."""
+    now = timezone.now()
+    record = _record(
+        request_id=request_id,
+        api_key=api_key,
+        model=model,
+        endpoint=endpoint,
+        status=status,
+        error_code=error_code,
+        prompt_tokens=prompt_tokens,
+        duration_ms=int((now - started_at).total_seconds() * 1000),
+        started_at=started_at,
         finished_at=now,
     )
     _roll_up(record, sign=1)

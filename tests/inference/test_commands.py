@@ -74,9 +74,13 @@ def test_bootstrap_prints_admin_and_key_once(settings, tmp_path):
     assert re.search(r"admin login:\s+admin / \S+", first)
     assert authenticate_header(f"Bearer {key}").user.username == "admin"
     assert ModelEntry.objects.get(name="smollm2-135m-instruct").is_default
+    embedding = ModelEntry.objects.get(name="all-minilm-l6-v2")
+    assert embedding.kind == ModelEntry.Kind.EMBEDDING and not embedding.is_default
+    assert (tmp_path / "models" / "all-minilm-l6-v2" / "model.safetensors").exists()
     second = run("bootstrap")
     assert "sk-orch-" not in second and "admin login" not in second
-    assert ModelEntry.objects.count() == 1
+    assert "embedding model" not in second
+    assert ModelEntry.objects.count() == 2
 
 
 def test_bootstrap_closes_rows_left_open_by_a_crash(tiny_model_path):

@@ -1,16 +1,20 @@
-"""First-run setup for `make serve`: import the default model, create an admin user and an API
-key (each printed once, on the run that creates them), and close usage rows a crash left open."""
+"""First-run setup for `make serve`: import the default model, register the default embedding
+model, create an admin user and an API key (each printed once, on the run that creates them),
+and close usage rows a crash left open."""
 
 import secrets
 from pathlib import Path
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from accounts.services import api_key_create, team_membership_ensure
+from engine.embeddings import DEFAULT_EMBEDDING_MODEL, default_embedding_folder
 from engine.gguf import default_gguf_path
 from inference.models import ModelEntry
+from inference.services.registry import model_register
 from inference.services.usage import usage_close_stale
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -30,6 +34,7 @@ class Command(BaseCommand):
         if closed:
             self.stdout.write(f"Closed {closed} usage row(s) left open by an earlier crash.")
         self._default_model()
+        self._embedding_model()
         self._admin_and_key()
 
     def _default_model(self) -> None:
@@ -50,6 +55,15 @@ class Command(BaseCommand):
         ModelEntry.objects.filter(name=DEFAULT_MODEL).update(
             default_sampling=DEFAULT_MODEL_SAMPLING
         )
+
+    def _embedding_model(self) -> None:
+        """The default embedding model (all-MiniLM-L6-v2, shipped on PyPI), registered once."""
+        entry = ModelEntry.objects.filter(name=DEFAULT_EMBEDDING_MODEL).first()
+        if entry and (Path(entry.path) / "model.safetensors").exists():
+            return
+        folder = default_embedding_folder(settings.ORCHARD_MODELS_DIR)
+        model_register(name=DEFAULT_EMBEDDING_MODEL, path=folder, kind=ModelEntry.Kind.EMBEDDING)
+        self.stdout.write(f"Registered the embedding model {DEFAULT_EMBEDDING_MODEL}.")
 
     def _admin_and_key(self) -> None:
         User = get_user_model()

@@ -13,6 +13,12 @@ class Command(BaseCommand):
         parser.add_argument("path", help="mlx-lm model folder (config.json, weights, tokenizer)")
         parser.add_argument("--engine", choices=ModelEntry.Engine.values, default="batched")
         parser.add_argument(
+            "--kind",
+            choices=ModelEntry.Kind.values,
+            default="chat",
+            help="embedding: a sentence-transformers encoder folder for /v1/embeddings",
+        )
+        parser.add_argument(
             "--tool-parser",
             default="",
             choices=["", *TOOL_PARSERS],
@@ -35,6 +41,7 @@ class Command(BaseCommand):
                 tool_parser=options["tool_parser"],
                 reasoning_parser=options["reasoning_parser"],
                 make_default=options["default"],
+                kind=options["kind"],
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None

@@ -176,8 +176,15 @@ async def test_a_usage_row_the_database_refuses_neither_hangs_the_stream_nor_is_
     chunks = await streamed(generation)
     assert chunks[-1] == SSE_DONE  # the client got its whole response, and its end
     await eventually(lambda: len(attempts) >= 3)
+
+    async def finished() -> bool:  # the third attempt has begun; wait for its commit
+        row = await sync_to_async(UsageRecord.objects.get)(request_id="req_locked")
+        return row.status != UsageRecord.Status.IN_PROGRESS
+
+    await eventually(finished)
     row = await sync_to_async(UsageRecord.objects.get)(request_id="req_locked")
     assert (row.status, row.completion_tokens) == ("completed", 2)
+    assert len(attempts) == 3
     # The limiter slot came back at once (max_parallel=1): the next request is admitted.
     admission = await limits.admit(generation.execution.api_key, reserved_tokens=1)
     await admission.release(used_tokens=0)
