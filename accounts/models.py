@@ -5,6 +5,20 @@ from django.utils import timezone
 
 class Team(models.Model):
     name = models.CharField(max_length=100, unique=True)
+    # What members may do with keys of their own on the web pages, and the limits such keys get
+    # (owners and staff set any limits, in the admin).
+    members_manage_keys = models.BooleanField(
+        default=True, help_text="Members may create and revoke their own keys on the web pages."
+    )
+    member_key_rpm = models.PositiveIntegerField(
+        "rpm of keys members create", null=True, blank=True
+    )
+    member_key_tpm = models.PositiveIntegerField(
+        "tpm of keys members create", null=True, blank=True
+    )
+    member_key_budget_tokens = models.PositiveBigIntegerField(
+        "monthly token budget of keys members create", null=True, blank=True
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -1,17 +1,23 @@
 """ASGI entry point: HTTP goes to Django's own ASGI handler (it notices client disconnects while
 streaming and cancels the view, which aborts the generation), with each request's sync thread
-taken from a pool (config/request_threads.py)."""
+taken from a pool (config/request_threads.py); websockets (the live engine status) go to
+Channels with the session's user."""
 
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 import django
-from channels.routing import ProtocolTypeRouter
+from channels.auth import AuthMiddlewareStack
+from channels.routing import ProtocolTypeRouter, URLRouter
+from channels.security.websocket import AllowedHostsOriginValidator
 
 django.setup(set_prefix=False)
 
+from django.urls import path  # noqa: E402
+
 from config.request_threads import PooledASGIHandler  # noqa: E402
+from inference.web.consumers import StatusConsumer  # noqa: E402
 
 django_asgi_app = PooledASGIHandler()
 
@@ -19,6 +25,10 @@ django_asgi_app = PooledASGIHandler()
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
+        # The live engine status for signed-in users (session cookie), same-origin only.
+        "websocket": AllowedHostsOriginValidator(
+            AuthMiddlewareStack(URLRouter([path("ws/status/", StatusConsumer.as_asgi())]))
+        ),
     }
 )
 

@@ -54,9 +54,13 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "inference.middleware.OpenAIApiMiddleware",
+    "inference.web.csp.ContentSecurityPolicyMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
+LOGIN_URL = "web-login"
+LOGIN_REDIRECT_URL = "web-keys"
+LOGOUT_REDIRECT_URL = "web-home"
 ASGI_APPLICATION = "config.asgi.application"
 
 TEMPLATES = [

@@ -7,4 +7,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("metrics", metrics, name="metrics"),
     path("v1/", include("inference.urls")),
+    path("", include("inference.web.urls")),
 ]

@@ -1,0 +1,85 @@
+"""Usage reports for the web pages and the usage API, read from the daily roll-ups
+(`DailyUsage`: one row per day × team × key × model), never from the per-request rows, so they
+stay fast however many requests there were."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db.models import F, QuerySet, Sum
+
+from accounts.models import Team
+from inference.models import DailyUsage
+
+GROUPS = {
+    "day": "date",
+    "model": "model",
+    "key": "api_key__prefix",
+    "member": "api_key__user__username",
+}
+SUMS = {
+    "requests": Sum("num_requests"),
+    "prompt_tokens": Sum("prompt_tokens"),
+    "cached_tokens": Sum("cached_tokens"),
+    "completion_tokens": Sum("completion_tokens"),
+}
+
+
+@dataclass
+class Report:
+    rows: list[dict[str, Any]]
+    totals: dict[str, int]
+    by_day: list[tuple[datetime.date, int]] = field(default_factory=list)
+    by_model: list[tuple[str, int]] = field(default_factory=list)
+
+
+def daily_rows(
+    *,
+    since: datetime.date,
+    until: datetime.date,
+    teams: Iterable[Team] | None = None,
+    user_id: int | None = None,
+    model: str | None = None,
+    key_prefix: str | None = None,
+    member: str | None = None,
+) -> QuerySet[DailyUsage]:
+    rows = DailyUsage.objects.filter(date__gte=since, date__lte=until)
+    if teams is not None:
+        rows = rows.filter(team__in=list(teams))
+    if user_id is not None:
+        rows = rows.filter(api_key__user_id=user_id)
+    if model:
+        rows = rows.filter(model=model)
+    if key_prefix:
+        rows = rows.filter(api_key__prefix=key_prefix)
+    if member:
+        rows = rows.filter(api_key__user__username=member)
+    return rows
+
+
+def grouped(rows: QuerySet[DailyUsage], groups: list[str]) -> list[dict[str, Any]]:
+    """`rows` summed per combination of `groups` (names of GROUPS), newest day first."""
+    same = [name for name in groups if GROUPS[name] == name]  # "model" is the field itself
+    renamed = {name: F(GROUPS[name]) for name in groups if GROUPS[name] != name}
+    out = rows.values(*same, **renamed).annotate(**SUMS).order_by(*_order(groups))
+    return [{**row, "total_tokens": row["prompt_tokens"] + row["completion_tokens"]} for row in out]
+
+
+def _order(groups: list[str]) -> list[str]:
+    return [("-" if name == "day" else "") + name for name in groups]
+
+
+def totals(rows: QuerySet[DailyUsage]) -> dict[str, int]:
+    summed = rows.aggregate(**SUMS)
+    summed = {name: value or 0 for name, value in summed.items()}
+    summed["total_tokens"] = summed["prompt_tokens"] + summed["completion_tokens"]
+    return summed
+
+
+def report(rows: QuerySet[DailyUsage], groups: list[str]) -> Report:
+    by_day = [(r["day"], r["total_tokens"]) for r in grouped(rows, ["day"])]
+    by_model = [(r["model"], r["total_tokens"]) for r in grouped(rows, ["model"])]
+    return Report(grouped(rows, groups), totals(rows), sorted(by_day), by_model)

@@ -1,0 +1,72 @@
+"""The live engine status over a Channels websocket (`/ws/status/`): every second, per model a
+signed-in user may use (staff: every model), its queue, running sequences, tokens/s and prefix
+cache. Anonymous sockets are closed (4401) before anything is sent; the origin must be one of
+ALLOWED_HOSTS (config/asgi.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from accounts.models import ApiKey
+from inference.engine_access import get_engine_client
+from inference.services.registry import models_for_key
+
+INTERVAL_S = 1.0
+
+
+def _allowed_models(user) -> set[str] | None:
+    """Names the user may see; None: all (staff)."""
+    if user.is_staff:
+        return None
+    names: set[str] = set()
+    for key in ApiKey.objects.active().filter(user=user):
+        names |= {entry.name for entry in models_for_key(key)}
+    return names
+
+
+def status_payload(stats, allowed: set[str] | None) -> dict[str, Any]:
+    models = []
+    for entry in stats:
+        if allowed is not None and entry.model not in allowed:
+            continue
+        cache = entry.prefix_cache or {}
+        models.append(
+            {
+                "model": entry.model,
+                "waiting": entry.num_waiting,
+                "running": entry.num_running,
+                "tokens_per_second": round(entry.tokens_per_second, 1),
+                "cache_bytes": cache.get("bytes", 0),
+                "cache_max": cache.get("max_bytes", 0),
+            }
+        )
+    return {"models": models}
+
+
+class StatusConsumer(AsyncJsonWebsocketConsumer):
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=4401)
+            return
+        self.allowed = await sync_to_async(_allowed_models)(user)
+        await self.accept()
+        self.sender = asyncio.create_task(self._send_forever())
+
+    async def disconnect(self, code: int) -> None:
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+
+    async def _send_forever(self) -> None:
+        client = get_engine_client()
+        while True:
+            await self.send_json(status_payload(await client.stats(), self.allowed))
+            await asyncio.sleep(INTERVAL_S)

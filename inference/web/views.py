@@ -1,0 +1,279 @@
+"""The members' pages: landing, sign-in, my keys, my usage, models, team reports (with CSV).
+
+Server-rendered, no external requests, no inline scripts (the CSP forbids them); every form
+has CSRF. A member sees their own keys and usage; team owners and staff see their teams'
+reports. Data comes from services and selectors only.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import uuid
+
+from django import forms
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.decorators import login_required
+from django.core.cache import cache
+from django.db.models import Q
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_http_methods
+
+from accounts.models import ApiKey, Membership, Team
+from accounts.selectors import teams_owned_by
+from accounts.services import api_key_create, api_key_revoke
+from engine.model_config import folder_context_length
+from inference.engine_access import get_engine_client
+from inference.models import ModelEntry
+from inference.services import reports
+from inference.services.registry import models_for_key
+
+LOGIN_ATTEMPTS = 5  # failed sign-ins per username and address ...
+LOGIN_WINDOW_S = 15 * 60  # ... within this many seconds, then refused until it passes
+REPORT_GROUPS = ["day", "model", "key", "member"]
+
+
+def home(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/home.html", {"base_url": _base_url(request)})
+
+
+def _base_url(request: HttpRequest) -> str:
+    return request.build_absolute_uri("/v1").rstrip("/")
+
+
+class RateLimitedLoginView(auth_views.LoginView):
+    """Django's sign-in, refusing further attempts for a username and address after
+    LOGIN_ATTEMPTS failures within LOGIN_WINDOW_S (a 429 page)."""
+
+    template_name = "web/login.html"
+
+    def _key(self) -> str:
+        username = (self.request.POST.get("username") or "").strip().lower()[:150]
+        address = self.request.META.get("REMOTE_ADDR", "")
+        return f"orchard-login:{address}:{username}"
+
+    def post(self, request, *args, **kwargs):
+        if cache.get(self._key(), 0) >= LOGIN_ATTEMPTS:
+            return render(request, "web/login_locked.html", status=429)
+        return super().post(request, *args, **kwargs)
+
+    def form_invalid(self, form):
+        key = self._key()
+        cache.add(key, 0, LOGIN_WINDOW_S)
+        try:
+            cache.incr(key)
+        except ValueError:
+            cache.set(key, 1, LOGIN_WINDOW_S)
+        return super().form_invalid(form)
+
+
+class KeyForm(forms.Form):
+    name = forms.CharField(max_length=100, label="Label", required=False)
+    team = forms.ModelChoiceField(queryset=Team.objects.none(), empty_label=None)
+
+    def __init__(self, *args, teams, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["team"].queryset = teams
+
+
+def _teams_for_new_keys(user):
+    owned = teams_owned_by(user=user).values("pk")
+    allowed = Team.objects.filter(
+        memberships__user=user, memberships__role=Membership.Role.MEMBER, members_manage_keys=True
+    ).values("pk")
+    return Team.objects.filter(Q(pk__in=owned) | Q(pk__in=allowed))
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def keys(request: HttpRequest) -> HttpResponse:
+    teams = _teams_for_new_keys(request.user)
+    form = KeyForm(teams=teams)
+    created_key = None
+    if request.method == "POST" and request.POST.get("action") == "create":
+        form = KeyForm(request.POST, teams=teams)
+        token = request.POST.get("creation_token") or None
+        existing = ApiKey.objects.filter(creation_token=token).first() if token else None
+        if existing is not None:  # the same form sent again: no second key
+            messages.info(request, f"That key was already created ({existing.prefix}…).")
+            return redirect("web-keys")
+        if form.is_valid():
+            team = form.cleaned_data["team"]
+            owner = teams_owned_by(user=request.user).filter(pk=team.pk).exists()
+            limits = (
+                {}
+                if owner
+                else {
+                    "rpm": team.member_key_rpm,
+                    "tpm": team.member_key_tpm,
+                    "budget_tokens": team.member_key_budget_tokens,
+                }
+            )
+            _, created_key = api_key_create(
+                user=request.user,
+                team=team,
+                name=form.cleaned_data["name"],
+                created_by=request.user,
+                creation_token=token,
+                **limits,
+            )
+            form = KeyForm(teams=teams)
+    elif request.method == "POST" and request.POST.get("action") == "revoke":
+        api_key = get_object_or_404(ApiKey, pk=request.POST.get("key"), user=request.user)
+        owner = teams_owned_by(user=request.user).filter(pk=api_key.team_id).exists()
+        if not (owner or api_key.team.members_manage_keys):
+            raise Http404("This team's keys are revoked by its owners.")
+        api_key_revoke(api_key=api_key)
+        messages.success(request, f"Revoked {api_key.prefix}….")
+        return redirect("web-keys")
+    own = ApiKey.objects.filter(user=request.user).select_related("team").order_by("-created_at")
+    context = {
+        "keys": own,
+        "form": form,
+        "created_key": created_key,
+        "creation_token": uuid.uuid4().hex,
+        "base_url": _base_url(request),
+        "example_model": _example_model(request.user),
+        "can_create": teams.exists(),
+    }
+    return render(request, "web/keys.html", context)
+
+
+def _example_model(user) -> str:
+    key = ApiKey.objects.active().filter(user=user).first()
+    entries = models_for_key(key) if key else list(ModelEntry.objects.filter(enabled=True))
+    chat = [e for e in entries if e.kind == ModelEntry.Kind.CHAT]
+    default = next((e for e in chat if e.is_default), None)
+    return (default or (chat[0] if chat else None)).name if chat else "MODEL"
+
+
+def _dates(request: HttpRequest) -> tuple[datetime.date, datetime.date]:
+    today = timezone.now().date()
+
+    def parse(name: str, default: datetime.date) -> datetime.date:
+        try:
+            return datetime.date.fromisoformat(request.GET.get(name) or "") or default
+        except ValueError:
+            return default
+
+    since = parse("since", today - datetime.timedelta(days=29))
+    until = parse("until", today)
+    return min(since, until), max(since, until)
+
+
+@login_required
+def usage(request: HttpRequest) -> HttpResponse:
+    since, until = _dates(request)
+    rows = reports.daily_rows(since=since, until=until, user_id=request.user.pk)
+    context = {
+        "since": since,
+        "until": until,
+        "by_day": reports.grouped(rows, ["day"]),
+        "by_model": reports.grouped(rows, ["model"]),
+        "totals": reports.totals(rows),
+        "chart": _bars(reports.report(rows, ["day"]).by_day),
+    }
+    return render(request, "web/usage.html", context)
+
+
+def _bars(points: list[tuple[object, int]]) -> list[dict]:
+    """Bar-chart geometry for an inline SVG (no script): x, height and label per point."""
+    top = max((value for _, value in points), default=0) or 1
+    width = 600 / max(len(points), 1)
+    return [
+        {
+            "x": round(index * width, 1),
+            "width": round(max(width - 2, 1), 1),
+            "height": round(160 * value / top, 1),
+            "y": round(170 - 160 * value / top, 1),
+            "label": str(label),
+            "value": value,
+        }
+        for index, (label, value) in enumerate(points)
+    ]
+
+
+@login_required
+def models_page(request: HttpRequest) -> HttpResponse:
+    keys_ = list(ApiKey.objects.active().filter(user=request.user))
+    names = set()
+    for key in keys_:
+        names |= {entry.name for entry in models_for_key(key)}
+    client = get_engine_client()
+    entries = []
+    for entry in ModelEntry.objects.filter(enabled=True, name__in=names):
+        if entry.kind == ModelEntry.Kind.EMBEDDING:
+            loaded = client.embedders.is_serving(entry.name, entry.path)
+        else:
+            loaded = client.model_status(entry.name).state == "serving"
+        entries.append(
+            {
+                "entry": entry,
+                "context": entry.context_length or folder_context_length(entry.path),
+                "loaded": loaded,
+            }
+        )
+    return render(request, "web/models.html", {"models": entries})
+
+
+@login_required
+def team_reports(request: HttpRequest) -> HttpResponse:
+    teams = teams_owned_by(user=request.user)  # every team for superusers
+    return render(request, "web/teams.html", {"teams": teams})
+
+
+@login_required
+def team_report(request: HttpRequest, team_id: int) -> HttpResponse:
+    allowed = teams_owned_by(user=request.user)
+    team = get_object_or_404(allowed, pk=team_id)
+    since, until = _dates(request)
+    filters = {
+        "model": request.GET.get("model") or None,
+        "key_prefix": request.GET.get("key") or None,
+        "member": request.GET.get("member") or None,
+    }
+    rows = reports.daily_rows(since=since, until=until, teams=[team], **filters)
+    result = reports.report(rows, REPORT_GROUPS)
+    if request.GET.get("format") == "csv":
+        return _csv(team, since, until, result)
+    everything = reports.daily_rows(since=since, until=until, teams=[team])
+    context = {
+        "team": team,
+        "since": since,
+        "until": until,
+        "filters": filters,
+        "report": result,
+        "chart": _bars(result.by_day),
+        "models": sorted({r["model"] for r in reports.grouped(everything, ["model"])}),
+        "members": sorted({r["member"] for r in reports.grouped(everything, ["member"])}),
+        "query": request.GET.urlencode(),
+    }
+    return render(request, "web/team_report.html", context)
+
+
+def _csv(team: Team, since, until, result: reports.Report) -> HttpResponse:
+    response = HttpResponse(content_type="text/csv")
+    name = f"orchard-{team.name}-{since}-{until}.csv".replace(" ", "_")
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    writer = csv.writer(response)
+    columns = [*REPORT_GROUPS, "requests", "prompt_tokens", "cached_tokens", "completion_tokens"]
+    writer.writerow([*columns, "total_tokens"])
+    for row in result.rows:
+        writer.writerow([row[c] for c in columns] + [row["total_tokens"]])
+    totals = result.totals
+    writer.writerow(
+        ["total", "", "", "", *[totals[c] for c in columns[4:]], totals["total_tokens"]]
+    )
+    return response
+
+
+def login_view():
+    return RateLimitedLoginView.as_view(redirect_authenticated_user=True)
+
+
+def logout_view():
+    return auth_views.LogoutView.as_view(next_page=settings.LOGIN_URL)
