@@ -171,6 +171,7 @@ class ApiKeyForm(forms.ModelForm):
             "max_parallel",
             "budget_tokens",
             "expires_at",
+            "reads_usage",
         ]
 
     def clean(self):
@@ -317,6 +318,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
             max_parallel=data["max_parallel"],
             budget_tokens=data["budget_tokens"],
             expires_at=data["expires_at"],
+            reads_usage=data.get("reads_usage", False),
             created_by=request.user,
             creation_token=data.get("submission_token") or None,
         )

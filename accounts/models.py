@@ -75,6 +75,11 @@ class ApiKey(models.Model):
     )
     # Model names, not foreign keys: accounts does not depend on inference (ARCHITECTURE.md).
     all_models = models.BooleanField(default=True)
+    # May read its team's usage through GET /v1/organization/usage/completions (for billing
+    # scripts); set by owners and staff in the admin.
+    reads_usage = models.BooleanField(
+        default=False, help_text="May read the team's usage through the usage API."
+    )
     allowed_models = models.JSONField(default=list, blank=True)
     rpm = models.PositiveIntegerField("requests per minute", null=True, blank=True)
     tpm = models.PositiveIntegerField("tokens per minute", null=True, blank=True)

@@ -48,6 +48,7 @@ def api_key_create(
     expires_at: datetime | None = None,
     created_by: AbstractBaseUser | None = None,
     creation_token: str | None = None,
+    reads_usage: bool = False,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns it with the raw key, which is not stored and cannot be shown again.
     `models=None` allows every model; `creation_token` makes a form submission create one key
@@ -66,6 +67,7 @@ def api_key_create(
         tpm=tpm,
         max_parallel=max_parallel,
         budget_tokens=budget_tokens,
+        reads_usage=reads_usage,
         expires_at=expires_at,
         creation_token=creation_token,
     )
