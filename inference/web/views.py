@@ -175,9 +175,18 @@ def usage(request: HttpRequest) -> HttpResponse:
         "by_day": reports.grouped(rows, ["day"]),
         "by_model": reports.grouped(rows, ["model"]),
         "totals": reports.totals(rows),
-        "chart": _bars(reports.report(rows, ["day"]).by_day),
+        "chart": _bars(_every_day(reports.report(rows, ["day"]).by_day, since, until)),
     }
     return render(request, "web/usage.html", context)
+
+
+def _every_day(points, since: datetime.date, until: datetime.date) -> list[tuple[object, int]]:
+    """The chart's days from `since` to `until`, days without usage at 0 (the last 92 days of a
+    longer range, so bars stay readable)."""
+    values = dict(points)
+    start = max(since, until - datetime.timedelta(days=91))
+    days = [start + datetime.timedelta(days=i) for i in range((until - start).days + 1)]
+    return [(day, values.get(day, 0)) for day in days]
 
 
 def _bars(points: list[tuple[object, int]]) -> list[dict]:
@@ -247,7 +256,7 @@ def team_report(request: HttpRequest, team_id: int) -> HttpResponse:
         "until": until,
         "filters": filters,
         "report": result,
-        "chart": _bars(result.by_day),
+        "chart": _bars(_every_day(result.by_day, since, until)),
         "models": sorted({r["model"] for r in reports.grouped(everything, ["model"])}),
         "members": sorted({r["member"] for r in reports.grouped(everything, ["member"])}),
         "query": request.GET.urlencode(),

@@ -217,3 +217,8 @@ def test_the_admin_index_shows_today_and_the_status_panel(world):
     page = signed_in(StaffUserFactory()).get(reverse("admin:index")).content.decode()
     assert 'id="orchard-today"' in page and "1 requests · 12 prompt tokens" in page
     assert 'id="engine-status"' in page
+
+
+def test_the_team_reports_link_is_for_owners(world):
+    assert b"Team reports" not in signed_in(world["member"]).get(reverse("web-keys")).content
+    assert b"Team reports" in signed_in(world["owner"]).get(reverse("web-keys")).content
