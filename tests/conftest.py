@@ -77,3 +77,10 @@ async def sync_thread_db():
     connection that asgiref's sync thread opened, so the test database can be dropped."""
     yield
     await sync_to_async(connections.close_all)()
+
+
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    """Hash test users' passwords cheaply (PBKDF2's iterations cost ~0.3 s a user). Page tests
+    whose passwords the live server checks restore the real hashers (tests/browser)."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

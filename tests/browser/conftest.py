@@ -28,3 +28,11 @@ def laptop(browser):
     context = browser.new_context(viewport={"width": 1366, "height": 768})
     yield context.new_page()
     context.close()
+
+
+@pytest.fixture(autouse=True)
+def real_password_hashing(settings, fast_password_hashing):
+    """The live server checks these users' passwords with the real hashers."""
+    from django.conf import global_settings
+
+    settings.PASSWORD_HASHERS = global_settings.PASSWORD_HASHERS
