@@ -8,7 +8,15 @@ class Team(models.Model):
     # What members may do with keys of their own on the web pages, and the limits such keys get
     # (owners and staff set any limits, in the admin).
     members_manage_keys = models.BooleanField(
-        default=True, help_text="Members may create and revoke their own keys on the web pages."
+        default=False,
+        help_text="Members may create (up to 10 active) and revoke their own keys on the web "
+        "pages; those keys get the limits below.",
+    )
+    member_key_models = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='Models keys members create may use, e.g. ["smollm2-135m-instruct"]; '
+        "empty: all.",
     )
     member_key_rpm = models.PositiveIntegerField(
         "rpm of keys members create", null=True, blank=True

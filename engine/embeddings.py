@@ -146,18 +146,22 @@ class EmbeddingModel:
         path = Path(path)
         try:
             config = json.loads((path / "config.json").read_text())
-            if config.get("model_type") not in ("bert", "roberta", "xlm-roberta"):
-                raise EmbeddingLoadError(f"not a BERT-family encoder: {config.get('model_type')}")
+            # RoBERTa-family encoders number positions from padding_idx + 1: not these weights.
+            if config.get("model_type") != "bert":
+                raise EmbeddingLoadError(f"not a BERT encoder: {config.get('model_type')}")
             self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
             weights = mx.load(str(path / "model.safetensors"))
         except (OSError, KeyError, ValueError) as exc:
             raise EmbeddingLoadError(f"cannot load the embedding model in {path}: {exc}") from exc
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
-        self.encoder = BertEncoder(config)
         own = {_rename(k): v.astype(mx.float32) for k, v in weights.items()}
         own = {k: v for k, v in own.items() if not k.startswith(("pooler.", "position_ids"))}
-        self.encoder.load_weights(list(own.items()))
+        try:
+            self.encoder = BertEncoder(config)
+            self.encoder.load_weights(list(own.items()))
+        except (KeyError, ValueError) as exc:
+            raise EmbeddingLoadError(f"the weights in {path} do not fit a BERT: {exc}") from exc
         mx.eval(self.encoder.parameters())
         pooling, normalize, max_length = _sentence_transformers_config(path)
         context = min(
@@ -226,6 +230,7 @@ class EmbeddingEngine:
         self.model = model
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.num_forwards = 0
+        self._stopped = False
         self._thread = threading.Thread(
             target=self._main, name=f"orchard-embed-{model.info.name}", daemon=True
         )
@@ -239,14 +244,28 @@ class EmbeddingEngine:
         """Queue inputs (thread-safe); the future's result is their (n, dimensions) vectors."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((list(token_ids), future))
+        if self._stopped:
+            self._fail_queued()
         return future
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return self.model.tokenize(texts)  # the tokenizers library is thread-safe
 
     def stop(self) -> None:
+        """End the thread; requests still queued (or submitted later) fail rather than wait."""
+        self._stopped = True
         self._queue.put(None)
         self._thread.join(timeout=10)
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(ModelNotLoadedError("The embedding model was replaced."))
 
     def _main(self) -> None:
         while True:

@@ -34,7 +34,7 @@ from engine.protocol import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-COMPILED_GRAMMARS_PER_MODEL = 64
+COMPILED_GRAMMARS_PER_MODEL = 256
 _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
 # llguidance tokenizers (about a second to build) by the tokenizer and vocabulary they read:

@@ -59,11 +59,11 @@ def load_model(
     return LoadedModel(model, tokenizer, config, info, source)
 
 
-def _added_tokens(tokenizer: TokenizerWrapper) -> tuple[str, ...]:
+def _added_tokens(tokenizer: TokenizerWrapper) -> dict[str, int]:
     try:
-        return tuple(sorted(tokenizer._tokenizer.get_added_vocab()))
+        return dict(tokenizer._tokenizer.get_added_vocab())
     except Exception:  # a tokenizer without added tokens, or not a transformers one
-        return ()
+        return {}
 
 
 def load_tokenizer(

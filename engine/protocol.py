@@ -132,9 +132,9 @@ class ModelInfo:
     # The chat template the model renders with ("" if none): the server detects the tool-call
     # and reasoning syntax from it when the registry names no parser.
     chat_template: str = ""
-    # The tokenizer's added tokens (<tool_call>, <|python_tag|>, ...), which a grammar names as
-    # tokens rather than text (inference/services/structured.py).
-    added_tokens: tuple[str, ...] = ()
+    # The tokenizer's added tokens (<tool_call>, <|python_tag|>, [TOOL_CALLS], ...) by their ids,
+    # which a grammar names as tokens rather than text (inference/services/structured.py).
+    added_tokens: Mapping[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -145,7 +145,7 @@ class ModelInfo:
             **{
                 **data,
                 "eos_token_ids": tuple(data["eos_token_ids"]),
-                "added_tokens": tuple(data.get("added_tokens", ())),
+                "added_tokens": dict(data.get("added_tokens", {})),
             }
         )
 

@@ -165,6 +165,10 @@ class ChatCompletionSerializer(SamplingSerializer):
                 raise serializers.ValidationError(f"tools[{index}] must be a function tool.")
             if not isinstance(function.get("name"), str) or not function["name"]:
                 raise serializers.ValidationError(f"tools[{index}].function.name is required.")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise serializers.ValidationError(
+                    f"tools[{index}].function.parameters must be a JSON Schema object."
+                )
         return value
 
     def validate_tool_choice(self, value: Any) -> Any:

@@ -22,6 +22,7 @@ from accounts.selectors import teams_owned_by
 from inference.errors import APIError, error_response
 from inference.services import reports
 
+LATEST_TIME = 32_503_680_000  # 3000-01-01: later times are not usage
 LIST_PARAMS = {"group_by", "models", "api_key_ids", "user_ids", "project_ids"}
 GROUP_FIELDS = {"model": "model", "api_key_id": "key", "user_id": "member", "project_id": "team"}
 
@@ -46,8 +47,8 @@ class UsageKeyAuthentication(authentication.BaseAuthentication):
 
 
 class UsageQuery(serializers.Serializer):
-    start_time = serializers.IntegerField(min_value=0)
-    end_time = serializers.IntegerField(min_value=0, required=False)
+    start_time = serializers.IntegerField(min_value=0, max_value=LATEST_TIME)
+    end_time = serializers.IntegerField(min_value=1, max_value=LATEST_TIME, required=False)
     bucket_width = serializers.ChoiceField(choices=["1d"], required=False, default="1d")
     group_by = serializers.ListField(
         child=serializers.ChoiceField(choices=list(GROUP_FIELDS)), required=False, default=list

@@ -159,12 +159,7 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
     entry = await sync_to_async(model_for_key)(api_key, call.model)
     if entry is None:
         raise model_not_found(call.model)
-    if entry.kind != ModelEntry.Kind.CHAT:
-        raise APIError(
-            400,
-            f"The model '{entry.name}' is an embedding model; use /v1/embeddings.",
-            param="model",
-        )
+    _chat_model(entry)
     try:
         await limits.precheck(api_key)
     except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
@@ -224,6 +219,15 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
     return Generation(execution, entry, prompt_texts, parsing)
 
 
+def _chat_model(entry: ModelEntry) -> None:
+    if entry.kind != ModelEntry.Kind.CHAT:
+        raise APIError(
+            400,
+            f"The model '{entry.name}' is an embedding model; use /v1/embeddings.",
+            param="model",
+        )
+
+
 def _tool_grammar(
     call: GenerationCall, sampling: SamplingParams, parsing: OutputParsing | None, info: ModelInfo
 ) -> str:
@@ -256,12 +260,19 @@ def _tool_grammar(
     return grammar
 
 
-async def prompt_token_count(*, api_key: ApiKey, call: GenerationCall) -> int:
+async def prompt_token_count(*, api_key: ApiKey, request_id: str, call: GenerationCall) -> int:
     """How many tokens `call`'s (one) prompt renders to for its model: nothing is generated,
     reserved or metered."""
     entry = await sync_to_async(model_for_key)(api_key, call.model)
     if entry is None:
         raise model_not_found(call.model)
+    _chat_model(entry)
+    try:
+        await limits.precheck(api_key)  # counting is free, but not for a key over its limits
+    except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
+        raise await admission_refused(
+            exc, request_id=request_id, api_key=api_key, model=entry.name, endpoint=call.endpoint
+        ) from None
     await _serving_model(entry)
     async with _render_slot(api_key):
         rendered = await _render(entry.name, call.prompts[0], call.prompt_param)

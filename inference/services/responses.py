@@ -18,10 +18,27 @@ from accounts.selectors import teams_owned_by
 from inference.models import StoredResponse
 
 
+def _storable(value: Any) -> Any:
+    """`value` with NUL characters replaced (U+FFFD): PostgreSQL's jsonb refuses them, and a
+    prompt or a reply may hold one."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [_storable(item) for item in value]
+    if isinstance(value, dict):
+        return {_storable(key): _storable(item) for key, item in value.items()}
+    return value
+
+
+def _is_response_id(response_id: str) -> bool:
+    return 0 < len(response_id) <= 64 and "\x00" not in response_id
+
+
 def response_store(
     *, api_key: ApiKey, body: dict[str, Any], input_items: list[dict[str, Any]]
 ) -> StoredResponse:
     """Keep `body` (a finished response object) and the input it answered for the key's team."""
+    body, input_items = _storable(body), _storable(input_items)
     return StoredResponse.objects.create(
         id=body["id"],
         team_id=api_key.team_id,
@@ -43,10 +60,14 @@ def responses_visible_to(*, user: AbstractBaseUser) -> QuerySet[StoredResponse]:
 
 
 def response_get(*, api_key: ApiKey, response_id: str) -> StoredResponse | None:
+    if not _is_response_id(response_id):
+        return None
     return StoredResponse.objects.filter(id=response_id, team_id=api_key.team_id).first()
 
 
 def response_delete(*, api_key: ApiKey, response_id: str) -> bool:
+    if not _is_response_id(response_id):
+        return False
     deleted, _ = StoredResponse.objects.filter(id=response_id, team_id=api_key.team_id).delete()
     return bool(deleted)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import llguidance
@@ -92,11 +92,12 @@ def extension_grammar(value: Any, param: str = "structured_outputs") -> str | No
     return _checked(grammar, where)
 
 
-def _literal(text: str, added_tokens: Collection[str]) -> str:
-    """Lark for `text`: a token reference when the tokenizer has it as one token of its own
-    (such tokens never match as text), else a string."""
+def _literal(text: str, added_tokens: Mapping[str, int]) -> str:
+    """Lark for `text`: a reference to the token by id when the tokenizer has it as one token
+    of its own (<tool_call>, [TOOL_CALLS], ...: such tokens never match as text), else a
+    string."""
     if text in added_tokens:
-        return text  # <tool_call>, <|python_tag|>, [TOOL_CALLS], ...: llguidance's syntax
+        return f"<[{int(added_tokens[text])}]>"
     return json.dumps(text)
 
 
@@ -128,7 +129,7 @@ def tool_call_grammar(
     tools: Sequence[Mapping[str, Any]],
     *,
     parallel: bool,
-    added_tokens: Collection[str],
+    added_tokens: Mapping[str, int],
 ) -> str | None:
     """A Lark grammar whose every sentence is one call (several with `parallel`) of one of
     `tools` in the syntax `parser` reads; None for a parser with no such grammar here."""

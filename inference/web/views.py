@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import re
 import uuid
 
 from django import forms
@@ -17,6 +18,7 @@ from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.cache import cache
+from django.db import IntegrityError
 from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -35,6 +37,8 @@ from inference.services.registry import models_for_key
 LOGIN_ATTEMPTS = 5  # failed sign-ins per username and address ...
 LOGIN_WINDOW_S = 15 * 60  # ... within this many seconds, then refused until it passes
 REPORT_GROUPS = ["day", "model", "key", "member"]
+EARLIEST, LATEST = datetime.date(2000, 1, 1), datetime.date(9000, 1, 1)  # what a range may span
+MEMBER_KEYS_MAX = 10  # active keys a member may hold per team (owners: no cap)
 
 
 def home(request: HttpRequest) -> HttpResponse:
@@ -96,7 +100,8 @@ def keys(request: HttpRequest) -> HttpResponse:
     created_key = None
     if request.method == "POST" and request.POST.get("action") == "create":
         form = KeyForm(request.POST, teams=teams)
-        token = request.POST.get("creation_token") or None
+        token = request.POST.get("creation_token") or ""
+        token = token if re.fullmatch(r"[0-9a-f]{32}", token) else None  # the form's own
         existing = ApiKey.objects.filter(creation_token=token).first() if token else None
         if existing is not None:  # the same form sent again: no second key
             messages.info(request, f"That key was already created ({existing.prefix}…).")
@@ -111,19 +116,32 @@ def keys(request: HttpRequest) -> HttpResponse:
                     "rpm": team.member_key_rpm,
                     "tpm": team.member_key_tpm,
                     "budget_tokens": team.member_key_budget_tokens,
+                    "models": list(team.member_key_models) or None,
                 }
             )
-            _, created_key = api_key_create(
-                user=request.user,
-                team=team,
-                name=form.cleaned_data["name"],
-                created_by=request.user,
-                creation_token=token,
-                **limits,
-            )
+            active = ApiKey.objects.active().filter(user=request.user, team=team).count()
+            if not owner and active >= MEMBER_KEYS_MAX:
+                messages.error(
+                    request, f"You have {active} active keys in {team}; revoke one first."
+                )
+                return redirect("web-keys")
+            try:
+                _, created_key = api_key_create(
+                    user=request.user,
+                    team=team,
+                    name=form.cleaned_data["name"],
+                    created_by=request.user,
+                    creation_token=token,
+                    **limits,
+                )
+            except IntegrityError:  # the same form sent twice at once: one key
+                return redirect("web-keys")
             form = KeyForm(teams=teams)
     elif request.method == "POST" and request.POST.get("action") == "revoke":
-        api_key = get_object_or_404(ApiKey, pk=request.POST.get("key"), user=request.user)
+        key_id = request.POST.get("key") or ""
+        if not key_id.isdigit():
+            raise Http404("No such key.")
+        api_key = get_object_or_404(ApiKey, pk=int(key_id), user=request.user)
         owner = teams_owned_by(user=request.user).filter(pk=api_key.team_id).exists()
         if not (owner or api_key.team.members_manage_keys):
             raise Http404("This team's keys are revoked by its owners.")
@@ -156,9 +174,10 @@ def _dates(request: HttpRequest) -> tuple[datetime.date, datetime.date]:
 
     def parse(name: str, default: datetime.date) -> datetime.date:
         try:
-            return datetime.date.fromisoformat(request.GET.get(name) or "") or default
+            day = datetime.date.fromisoformat(request.GET.get(name) or "")
         except ValueError:
             return default
+        return min(max(day, EARLIEST), LATEST)
 
     since = parse("since", today - datetime.timedelta(days=29))
     until = parse("until", today)

@@ -44,6 +44,8 @@ def sign_in(page, url: str, username: str) -> None:
 def team_world(transactional_db, tiny_model_path):
     model_register(name=MODEL, path=tiny_model_path)
     _, team = account("olive", "orchard-team", Membership.Role.OWNER)
+    team.members_manage_keys = True  # the owner lets members make their own keys
+    team.save()
     member, _ = account("mia", "orchard-team", Membership.Role.MEMBER)
     return team, member
 

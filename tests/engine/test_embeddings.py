@@ -75,9 +75,20 @@ def test_concurrent_requests_share_forwards_and_get_their_own_rows(model):
         engine.stop()
 
 
+def test_requests_queued_when_an_engine_stops_fail_instead_of_waiting(model):
+    engine = EmbeddingEngine(model)
+    engine.stop()
+    future = engine.submit(model.tokenize(["late"]))
+    with pytest.raises(Exception, match="replaced"):
+        future.result(timeout=5)
+
+
 def test_a_folder_that_is_not_an_encoder_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(EmbeddingLoadError):
+        EmbeddingModel(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "roberta"}))
+    with pytest.raises(EmbeddingLoadError):  # its positions start at 2: not served as a BERT
         EmbeddingModel(tmp_path)
     with pytest.raises(EmbeddingLoadError):
         EmbeddingModel(tmp_path / "missing")

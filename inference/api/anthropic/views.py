@@ -4,6 +4,7 @@ rows with `endpoint` = messages), errors in Anthropic's shape (inference/errors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import uuid
@@ -134,8 +135,10 @@ def _error_event(message: str) -> bytes:
 
 async def _stream(run: _Run) -> AsyncIterator[bytes]:
     try:
-        async for event in run.events():
-            yield _sse(event)
+        # Closed here, in order, when the client leaves (not later by the garbage collector).
+        async with contextlib.aclosing(run.events()) as events:
+            async for event in events:
+                yield _sse(event)
     except GenerationFailed as exc:
         yield _error_event(exc.message)
     except Exception:
@@ -178,5 +181,7 @@ async def count_tokens(request: HttpRequest) -> HttpResponse:
     api_key = await common.authenticate(request, x_api_key=True)
     data = common.validate(CountTokensSerializer, common.parse_json_body(request))
     call = _call({**data, "max_tokens": 1})
-    count = await prompt_token_count(api_key=api_key, call=call)
+    count = await prompt_token_count(
+        api_key=api_key, request_id=request.orchard_request_id, call=call
+    )
     return common.json_response({"input_tokens": count}, {})

@@ -320,9 +320,13 @@ def chat_tool_choice(choice: Any, functions: list[dict[str, Any]]) -> tuple[Any,
         if not isinstance(allowed, list):
             raise _fail("tool_choice.tools must be a list.", "tool_choice.tools")
         names = {
-            template_name(t.get("name"), t.get("namespace"))
+            template_name(
+                t["name"], t.get("namespace") if isinstance(t.get("namespace"), str) else None
+            )
             for t in allowed
-            if isinstance(t, dict) and t.get("type") == "function" and t.get("name")
+            if isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("name"), str)
         }
         return choice["mode"], [f for f in functions if f["function"]["name"] in names]
     if isinstance(kind, str) and (kind in LEFT_OUT_TOOL_TYPES or kind.startswith("web_search")):

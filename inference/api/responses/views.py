@@ -11,6 +11,7 @@ not stored (it never finished).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -238,8 +239,10 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
     """The run's events as SSE; an unexpected error part-way is an `error` event (the stream
     still ends), as OpenAI sends one."""
     try:
-        async for event in run.events():
-            yield _sse(event)
+        # Closed here, in order, when the client leaves (not later by the garbage collector).
+        async with contextlib.aclosing(run.events()) as events:
+            async for event in events:
+                yield _sse(event)
     except Exception:
         logger.exception("a streamed response failed part-way")
         yield _sse(run.builder.error(ERROR_STREAM_FAILED))

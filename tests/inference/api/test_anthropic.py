@@ -200,6 +200,17 @@ def test_count_tokens_and_thinking(client):
     assert not UsageRecord.objects.filter(endpoint="messages", prompt_tokens=0).exists()
 
 
+def test_count_tokens_refuses_an_embedding_model(client, tmp_path):
+    from inference.models import ModelEntry
+
+    ModelEntry.objects.create(name="an-encoder", path=str(tmp_path), kind=ModelEntry.Kind.EMBEDDING)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.count_tokens(
+            model="an-encoder", messages=[{"role": "user", "content": "x"}]
+        )
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+
+
 def test_bearer_and_x_api_key_both_authenticate(scripted_url, raw_key):
     body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "Say hello"}]}
     for headers in ({"x-api-key": raw_key}, {"Authorization": f"Bearer {raw_key}"}):

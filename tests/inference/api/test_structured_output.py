@@ -228,6 +228,13 @@ def test_responses_tool_choice_required(client):
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs.grammar"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         (

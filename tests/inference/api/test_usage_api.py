@@ -120,3 +120,9 @@ def test_an_owners_session_reads_their_teams(usage_world):
     client.force_login(member)  # a member who owns no team sees nothing
     empty = client.get(URL, {"start_time": usage_world["start"]}).json()
     assert all(not b["results"] for b in empty["data"])
+
+
+def test_out_of_range_times_are_a_400(live_server_url, usage_world):
+    for start in (10**12, 10**20, -1):
+        response = get(live_server_url, usage_world["reader"], start_time=start)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "start_time"

@@ -139,3 +139,23 @@ def test_staff_team_owners_see_only_their_teams_conversations():
     assert page.status_code == 200
     assert b"resp_mine" in page.content
     assert b"resp_theirs" not in page.content and b"resp_as_member" not in page.content
+
+
+def test_nul_characters_are_stored_replaced_and_odd_ids_are_unknown():
+    key = ApiKeyFactory()
+    body = {
+        "id": "resp_nul",
+        "object": "response",
+        "created_at": 0,
+        "model": "m",
+        "status": "completed",
+        "output": [{"type": "message", "text": "a\x00b"}],
+    }
+    stored_response = response_store(
+        api_key=key, body=body, input_items=[{"type": "message", "text": "q\x00"}]
+    )
+    stored_response.refresh_from_db()
+    assert stored_response.body["output"][0]["text"] == "a\ufffdb"
+    assert stored_response.input_items[0]["text"] == "q\ufffd"
+    assert response_get(api_key=key, response_id="resp\x00nul") is None
+    assert response_get(api_key=key, response_id="r" * 65) is None

@@ -21,6 +21,7 @@ from tests.factories import ApiKeyFactory, MembershipFactory, TeamFactory, UserF
 
 pytestmark = pytest.mark.django_db
 PASSWORD = "a-long-password-123"
+TOKEN = "0123456789abcdef0123456789abcdef"  # a form's creation token
 
 
 def user_in(team, username, role=Membership.Role.MEMBER):
@@ -58,6 +59,8 @@ def clear_cache():
 @pytest.fixture
 def world():
     team, other = TeamFactory(name="alpha"), TeamFactory(name="beta")
+    team.members_manage_keys = True
+    team.save()
     owner = user_in(team, "olive", Membership.Role.OWNER)
     member = user_in(team, "mia")
     colleague = user_in(team, "carl")
@@ -108,19 +111,21 @@ def test_members_see_their_own_keys_and_create_one_shown_once(world):
     page = client.get(reverse("web-keys")).content.decode()
     assert "mia&#x27;s" in page and "carl&#x27;s" not in page and "sam&#x27;s" not in page
     world["team"].member_key_rpm = 7
+    world["team"].member_key_models = ["m1"]
     world["team"].save()
     created = client.post(
         reverse("web-keys"),
-        {"action": "create", "name": "laptop", "team": world["team"].pk, "creation_token": "t1"},
+        {"action": "create", "name": "laptop", "team": world["team"].pk, "creation_token": TOKEN},
     ).content.decode()
     raw = re.search(r'id="raw-key">(sk-orch-[^<]+)<', created).group(1)
     key = ApiKey.objects.get(name="laptop")
     assert key.user == world["member"] and key.rpm == 7  # the team's limits for member keys
+    assert not key.all_models and key.allowed_models == ["m1"]
     assert raw not in client.get(reverse("web-keys")).content.decode()  # shown once
     # A resubmitted form creates no second key.
     client.post(
         reverse("web-keys"),
-        {"action": "create", "name": "laptop", "team": world["team"].pk, "creation_token": "t1"},
+        {"action": "create", "name": "laptop", "team": world["team"].pk, "creation_token": TOKEN},
     )
     assert ApiKey.objects.filter(name="laptop").count() == 1
     assert "/v1" in created and "curl" in created
@@ -222,3 +227,33 @@ def test_the_admin_index_shows_today_and_the_status_panel(world):
 def test_the_team_reports_link_is_for_owners(world):
     assert b"Team reports" not in signed_in(world["member"]).get(reverse("web-keys")).content
     assert b"Team reports" in signed_in(world["owner"]).get(reverse("web-keys")).content
+
+
+def test_members_hold_at_most_ten_active_keys_and_only_where_allowed(world):
+    client = signed_in(world["member"])
+    for index in range(12):
+        client.post(
+            reverse("web-keys"), {"action": "create", "name": f"k{index}", "team": world["team"].pk}
+        )
+    assert ApiKey.objects.active().filter(user=world["member"], team=world["team"]).count() == 10
+    # Teams do not let members make keys unless an owner says so (the default).
+    stranger_team_member = user_in(world["other"], "nia")
+    page = signed_in(stranger_team_member).get(reverse("web-keys")).content
+    assert b'id="create-key"' not in page
+    assert not world["other"].members_manage_keys
+
+
+def test_odd_form_and_query_values_are_not_errors(world):
+    client = signed_in(world["owner"])
+    assert client.post(reverse("web-keys"), {"action": "revoke", "key": "abc"}).status_code == 404
+    for query in ({"until": "0001-01-01"}, {"since": "9999-12-31"}, {"since": "x"}):
+        assert client.get(reverse("web-usage"), query).status_code == 200
+        assert (
+            client.get(reverse("web-team-report", args=[world["team"].pk]), query).status_code
+            == 200
+        )
+    odd = client.post(
+        reverse("web-keys"),
+        {"action": "create", "team": world["team"].pk, "creation_token": "x" * 500},
+    )
+    assert odd.status_code == 200 and ApiKey.objects.filter(user=world["owner"]).count() == 1

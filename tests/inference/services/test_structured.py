@@ -1,0 +1,94 @@
+"""The grammars structured output builds: every tool-call syntax's forced-call grammar accepts
+the model's own call text through the real tokenizer (token by token, added tokens as
+tokens), and refused schemas or grammars name their field."""
+
+import llguidance
+import llguidance.hf
+import pytest
+from transformers import AutoTokenizer
+
+from inference.errors import APIError
+from inference.services.structured import (
+    extension_grammar,
+    json_schema_grammar,
+    response_format_grammar,
+    tool_call_grammar,
+)
+from tests.fixtures.tiny_models import build_tiny_model
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+CALLS = [
+    (
+        "qwen3",
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    ),
+    (
+        "qwen3",
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>",
+    ),
+    ("llama3_1", "llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+    (
+        "gptoss",
+        "harmony",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Berlin"}<|call|>',
+    ),
+]
+
+
+@pytest.mark.parametrize(("tokenizer", "parser", "text"), CALLS)
+def test_forced_call_grammars_accept_the_models_own_calls(tokenizer, parser, text):
+    hf = AutoTokenizer.from_pretrained(
+        str(build_tiny_model(model_type="llama", tokenizer=tokenizer))
+    )
+    grammar = tool_call_grammar(
+        parser, [WEATHER, TIME], parallel=True, added_tokens=hf.get_added_vocab()
+    )
+    ll_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+    ids = hf.encode(text, add_special_tokens=False)
+    assert not matcher.is_error(), matcher.get_error()
+    assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+    other = hf.encode(text.replace("get_", "set_"), add_special_tokens=False)
+    fresh = llguidance.LLMatcher(ll_tokenizer, grammar)
+    assert fresh.try_consume_tokens(other) < len(other)  # no call of an unknown function
+
+
+def test_the_mistral_grammar_names_its_marker_token_by_id():
+    grammar = tool_call_grammar(
+        "mistral", [WEATHER], parallel=False, added_tokens={"[TOOL_CALLS]": 9}
+    )
+    assert "<[9]>" in grammar and not llguidance.LLMatcher.validate_grammar(grammar)
+    assert tool_call_grammar("unknown", [WEATHER], parallel=True, added_tokens={}) is None
+
+
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        (lambda: json_schema_grammar({"type": "strin"}, "response_format"), "response_format"),
+        (lambda: json_schema_grammar([1], "response_format"), "response_format"),
+        (lambda: extension_grammar({"regex": "("}), "structured_outputs.regex"),
+        (lambda: extension_grammar({"grammar": "start: x"}), "structured_outputs.grammar"),
+        (lambda: extension_grammar({"choice": "yes"}), "structured_outputs.choice"),
+        (lambda: extension_grammar({"json": {}, "regex": "a"}), "structured_outputs"),
+        (lambda: response_format_grammar({"type": "json_schema", "json_schema": 5}, "rf"), "rf"),
+    ],
+)
+def test_refusals_name_their_field(call, param):
+    with pytest.raises(APIError) as caught:
+        call()
+    assert caught.value.status == 400 and caught.value.param == param
