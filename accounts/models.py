@@ -15,8 +15,7 @@ class Team(models.Model):
     member_key_models = models.JSONField(
         default=list,
         blank=True,
-        help_text='Models keys members create may use, e.g. ["smollm2-135m-instruct"]; '
-        "empty: all.",
+        help_text='Models keys members create may use, e.g. ["smollm2-135m-instruct"]; empty: all.',
     )
     member_key_rpm = models.PositiveIntegerField(
         "rpm of keys members create", null=True, blank=True
