@@ -422,6 +422,7 @@ def test_a_client_leaving_mid_stream_is_billed_for_what_it_got(scripted_url, raw
         (
             {
                 "input": "hi",
+                "max_output_tokens": 4,
                 "tools": [WEATHER_TOOL],
                 "tool_choice": {
                     "type": "allowed_tools",
