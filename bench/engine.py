@@ -32,7 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.batched import BatchedEngine
 from engine.loader import LoadedModel, load_model
 from engine.protocol import GenerationRequest, ModelSpec, SamplingParams
-from engine.runner import sample
+from engine.sampled import sample
 from engine.sampling import SamplingState, sample_batch
 
 BATCH_SIZES = (1, 4, 8, 16)

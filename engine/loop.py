@@ -48,7 +48,7 @@ from engine.protocol import (
     validate_generation,
 )
 from engine.request import Emit, Request, Sequence
-from engine.runner import Sampled
+from engine.sampled import Sampled
 from engine.sampling import SamplingState
 from engine.scheduler import MemoryBudget, SchedulerOutput
 

@@ -141,13 +141,8 @@ class ModelInfo:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelInfo:
-        return cls(
-            **{
-                **data,
-                "eos_token_ids": tuple(data["eos_token_ids"]),
-                "added_tokens": dict(data.get("added_tokens", {})),
-            }
-        )
+        eos, added = tuple(data["eos_token_ids"]), dict(data.get("added_tokens", {}))
+        return cls(**{**data, "eos_token_ids": eos, "added_tokens": added})
 
 
 @dataclass(frozen=True)

@@ -28,25 +28,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.caches import Cache, concatenate, make_cache, merge, remember, start_cache
-from engine.grammar import allowed_tokens
 from engine.prefix_cache import PrefixCache
 from engine.protocol import RequestStatus
 from engine.request import Request, Sequence
-from engine.sampling import SampleResult, sample_batch
+from engine.sampled import Sampled, collect, result_arrays, sample, sample_rows
+from engine.sampling import SampleResult
 from engine.scheduler import SchedulerOutput
 
 # Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
 _KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """One token sampled for one sequence, with host-side logprobs when asked for."""
-
-    seq: Sequence
-    token_id: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def prefill(model: nn.Module, cache: Cache, token_ids: Seq[int]) -> None:
@@ -91,62 +81,6 @@ def last_logits(model: nn.Module) -> Callable[[mx.array, Cache, list[int]], mx.a
     except Exception:  # a backbone with another signature: call the model whole
         pass
     return whole
-
-
-def sample_rows(logits: mx.array, seqs: list[Sequence], num_ahead: int = 0) -> SampleResult:
-    """Sample row i of `logits` (B, V) for `seqs[i]`, constrained rows from their grammar's
-    allowed tokens (nothing is evaluated)."""
-    allowed = allowed_tokens([seq.constraint for seq in seqs], logits.shape[-1])
-    return sample_batch(logits, [seq.sampling_state for seq in seqs], num_ahead, allowed)
-
-
-def sample(logits: mx.array, seqs: list[Sequence]) -> list[Sampled]:
-    """Sample one token per row of `logits` (B, V) and bring the results to the host at once."""
-    return collect([(seqs, sample_rows(logits, seqs))])
-
-
-def _arrays(result: SampleResult) -> list[mx.array]:
-    arrays = [result.token_ids]
-    if result.logprobs is not None:
-        arrays.append(result.logprobs)
-    if result.top_ids is not None:
-        arrays += [result.top_ids, result.top_logprobs]
-    return arrays
-
-
-def collect(
-    batches: list[tuple[list[Sequence], SampleResult]], keep: set[int] | None = None
-) -> list[Sampled]:
-    """Bring sampled batches to the host with one sync; rows of sequences whose id is not in
-    `keep` (when given) are dropped."""
-    mx.eval([array for _, result in batches for array in _arrays(result)])
-    out = []
-    for seqs, result in batches:
-        rows = [row for row, seq in enumerate(seqs) if keep is None or id(seq) in keep]
-        out += _to_host(result, seqs, rows)
-    return out
-
-
-def _to_host(result: SampleResult, seqs: list[Sequence], rows: list[int]) -> list[Sampled]:
-    token_ids = result.token_ids.tolist()
-    logprobs = result.logprobs.tolist() if result.logprobs is not None else None
-    top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-    top_logprobs = result.top_logprobs.tolist() if result.top_ids is not None else None
-    out = []
-    for row in rows:
-        seq = seqs[row]
-        params = seq.sampling_state.params
-        if not params.logprobs or logprobs is None:
-            out.append(Sampled(seq, token_ids[row]))
-            continue
-        num_top = params.top_logprobs
-        top = (
-            tuple(zip(top_ids[row][:num_top], top_logprobs[row][:num_top], strict=True))
-            if top_ids
-            else ()
-        )
-        out.append(Sampled(seq, token_ids[row], logprobs[row], top))
-    return out
 
 
 @dataclass
@@ -318,7 +252,7 @@ class BatchRunner:
             requests = list(dict.fromkeys(id(r) for r in rows))
             logits = logits[mx.array([requests.index(id(r)) for r in rows])]
         result = sample_rows(logits, seqs)
-        mx.async_eval(_arrays(result))
+        mx.async_eval(result_arrays(result))
         return result
 
     def _start(self, request: Request) -> Cache:
@@ -369,7 +303,7 @@ class BatchRunner:
             inputs = mx.array([seq.token_at(seq.num_tokens - 1) for seq in seqs])
         logits = self.model(inputs[:, None], cache=cache)[:, -1, :]
         result = sample_rows(logits, seqs, num_ahead)
-        mx.async_eval(_arrays(result))
+        mx.async_eval(result_arrays(result))
         return result
 
     def _decode_ahead(self, batches: list[tuple[list[Sequence], SampleResult]]) -> SampleResult:

@@ -88,6 +88,13 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def typed_sse(event: dict[str, Any]) -> bytes:
+    """An event named by its `type` (`event:` then `data:`), as the Responses and Anthropic
+    streams send them."""
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
 def error_event(message: str) -> bytes:
     return sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 

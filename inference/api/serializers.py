@@ -79,6 +79,22 @@ class IntField(serializers.Field):
         return value
 
 
+class TemplateKwargsField(serializers.DictField):
+    """`chat_template_kwargs`: template variables only (engine.templates.check_template_kwargs);
+    null or absent is {}."""
+
+    def __init__(self, **kwargs):
+        super().__init__(required=False, allow_null=True, **kwargs)
+
+    def to_internal_value(self, data: Any) -> dict:
+        value = super().to_internal_value(data)
+        try:
+            check_template_kwargs(value)
+        except InvalidRequestError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        return value
+
+
 class StopField(serializers.Field):
     default_error_messages = {"invalid": "stop must be a string or a list of strings."}
 
@@ -140,7 +156,7 @@ class ChatCompletionSerializer(SamplingSerializer):
     tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True)
     tool_choice = serializers.JSONField(required=False, allow_null=True)
     parallel_tool_calls = StrictBooleanField(required=False, allow_null=True)
-    chat_template_kwargs = serializers.DictField(required=False, allow_null=True)
+    chat_template_kwargs = TemplateKwargsField()
 
     structured_outputs = serializers.DictField(required=False, allow_null=True)
 
@@ -186,13 +202,6 @@ class ChatCompletionSerializer(SamplingSerializer):
                 '{"type": "function", "function": {"name": ...}}.'
             )
         return value
-
-    def validate_chat_template_kwargs(self, value: dict | None) -> dict:
-        try:
-            check_template_kwargs(value or {})
-        except InvalidRequestError as exc:
-            raise serializers.ValidationError(str(exc)) from None
-        return value or {}
 
 
 class CompletionSerializer(SamplingSerializer):

@@ -5,7 +5,6 @@ rows with `endpoint` = messages), errors in Anthropic's shape (inference/errors.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -124,13 +123,8 @@ class _Run:
             yield event
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    data = json.dumps(event, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
 def _error_event(message: str) -> bytes:
-    return _sse({"type": "error", "error": {"type": "api_error", "message": message}})
+    return common.typed_sse({"type": "error", "error": {"type": "api_error", "message": message}})
 
 
 async def _stream(run: _Run) -> AsyncIterator[bytes]:
@@ -138,7 +132,7 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
         # Closed here, in order, when the client leaves (not later by the garbage collector).
         async with contextlib.aclosing(run.events()) as events:
             async for event in events:
-                yield _sse(event)
+                yield common.typed_sse(event)
     except GenerationFailed as exc:
         yield _error_event(exc.message)
     except Exception:

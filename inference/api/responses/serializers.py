@@ -9,9 +9,13 @@ from typing import Any
 
 from rest_framework import serializers
 
-from engine.protocol import InvalidRequestError
-from engine.templates import check_template_kwargs
-from inference.api.serializers import IntField, NumberField, StrictBooleanField, StrictCharField
+from inference.api.serializers import (
+    IntField,
+    NumberField,
+    StrictBooleanField,
+    StrictCharField,
+    TemplateKwargsField,
+)
 
 METADATA_MAX_KEYS = 16
 METADATA_KEY_MAX = 64
@@ -44,7 +48,7 @@ class ResponseCreateSerializer(serializers.Serializer):
     conversation = serializers.JSONField(required=False, allow_null=True)
     prompt = serializers.JSONField(required=False, allow_null=True)
     # Orchard extensions (the same fields as on chat completions; `extra_body` in the SDKs).
-    chat_template_kwargs = serializers.DictField(required=False, allow_null=True)
+    chat_template_kwargs = TemplateKwargsField()
     structured_outputs = serializers.DictField(required=False, allow_null=True)
     top_k = IntField(required=False, allow_null=True)
     min_p = NumberField(required=False, allow_null=True)
@@ -106,13 +110,6 @@ class ResponseCreateSerializer(serializers.Serializer):
                     f"metadata values are at most {METADATA_VALUE_MAX} characters."
                 )
         return value
-
-    def validate_chat_template_kwargs(self, value: dict | None) -> dict:
-        try:
-            check_template_kwargs(value or {})
-        except InvalidRequestError as exc:
-            raise serializers.ValidationError(str(exc)) from None
-        return value or {}
 
 
 class InputItemsQuerySerializer(serializers.Serializer):

@@ -12,7 +12,6 @@ not stored (it never finished).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +25,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from accounts.models import ApiKey
 from engine.protocol import PromptInput
 from inference.api.chat import requires_tool_call, structured_output, tools_for_template
-from inference.api.common import authenticate, json_response, parse_json_body, validate
+from inference.api.common import authenticate, json_response, parse_json_body, typed_sse, validate
 from inference.api.common import streaming_response as sse_response
 from inference.api.responses import items as input_items
 from inference.api.responses.events import ResponseBuilder
@@ -230,11 +229,6 @@ class _Run:
             yield event
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    data = json.dumps(event, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
 async def _stream(run: _Run) -> AsyncIterator[bytes]:
     """The run's events as SSE; an unexpected error part-way is an `error` event (the stream
     still ends), as OpenAI sends one."""
@@ -242,10 +236,10 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
         # Closed here, in order, when the client leaves (not later by the garbage collector).
         async with contextlib.aclosing(run.events()) as events:
             async for event in events:
-                yield _sse(event)
+                yield typed_sse(event)
     except Exception:
         logger.exception("a streamed response failed part-way")
-        yield _sse(run.builder.error(ERROR_STREAM_FAILED))
+        yield typed_sse(run.builder.error(ERROR_STREAM_FAILED))
 
 
 @csrf_exempt
