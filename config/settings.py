@@ -8,6 +8,7 @@ the Redis channel layer and shared rate limits. config/settings_production.py ha
 import secrets
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 from config.env import BASE_DIR, env_bool, env_float, env_int, env_list, env_str, orchard_home
 
@@ -112,11 +113,25 @@ for _database in DATABASES.values():
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL")
+# Channel names, group names and Redis keys of the engine workers start with this, so several
+# Orchard installations (or test runs) can share one Redis.
+ORCHARD_WORKER_NAMESPACE = env_str("ORCHARD_WORKER_NAMESPACE", "orchard")
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            "CONFIG": {
+                # Receiving blocks in Redis for up to 5 s (channels-redis' BZPOPMIN), which is
+                # also redis-py's default read timeout: give reads room past it.
+                "hosts": [{"address": REDIS_URL, "socket_timeout": 15}],
+                # A web process's reply channel holds batches of token events (one message per
+                # engine step); a worker whose batches it does not read for this many messages
+                # stops its requests. Workers' own channels take requests.
+                "channel_capacity": {
+                    f"{ORCHARD_WORKER_NAMESPACE}.reply*": 1000,
+                    f"{ORCHARD_WORKER_NAMESPACE}.worker.*": 10000,
+                },
+            },
         }
     }
 else:
@@ -146,7 +161,24 @@ REST_FRAMEWORK = {
 
 # Orchard
 ORCHARD_MODELS_DIR = ORCHARD_HOME / "models"
-ORCHARD_ENGINE = env_str("ORCHARD_ENGINE", "local")  # "local" today; "remote" with runengine later
+# "local": the engine runs in the web process. "remote": `manage.py runengine` workers serve
+# the models, reached over the Channels layer on Redis (REDIS_URL).
+ORCHARD_ENGINE = env_str("ORCHARD_ENGINE", "local")
+if ORCHARD_ENGINE not in ("local", "remote"):
+    raise ImproperlyConfigured(
+        f"ORCHARD_ENGINE must be 'local' or 'remote', not {ORCHARD_ENGINE!r}."
+    )
+if ORCHARD_ENGINE == "remote" and not REDIS_URL:
+    raise ImproperlyConfigured(
+        "ORCHARD_ENGINE=remote needs REDIS_URL (the workers' channel layer)."
+    )
+# Workers beat this often; one whose beat has not moved for the timeout is taken for dead.
+ORCHARD_WORKER_HEARTBEAT_SECONDS = env_float("ORCHARD_WORKER_HEARTBEAT_SECONDS", 1.0, positive=True)
+ORCHARD_WORKER_TIMEOUT_SECONDS = env_float("ORCHARD_WORKER_TIMEOUT_SECONDS", 5.0, positive=True)
+# Workers read the registry this often (and at once when an admin changes a model).
+ORCHARD_WORKER_SYNC_SECONDS = env_float("ORCHARD_WORKER_SYNC_SECONDS", 5.0, positive=True)
+# How long a request waits for a model that a worker is still loading.
+ORCHARD_MODEL_LOAD_WAIT_SECONDS = env_float("ORCHARD_MODEL_LOAD_WAIT_SECONDS", 600.0, positive=True)
 # Load the enabled models when the web process starts, so the first request does not wait for
 # them; models registered later load on their first request.
 ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", True)

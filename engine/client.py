@@ -52,6 +52,12 @@ class EngineClient(abc.ABC):
         spec already serves (its files changed on disk)."""
 
     @abc.abstractmethod
+    def place_models(self, specs: list[ModelSpec], *, load_new: bool = True) -> None:
+        """Follow the registry without waiting: `specs` are the enabled models. A changed spec
+        loads beside the serving one, a name no longer listed stops once what it runs has
+        finished, and (with `load_new`) a listed name nothing serves starts loading."""
+
+    @abc.abstractmethod
     async def unload_model(self, name: str) -> None:
         """Stop serving a model; its in-flight requests end with finish_reason "abort"."""
 

@@ -18,16 +18,13 @@ import weakref
 from collections.abc import AsyncIterator
 
 import numpy as np
-from jinja2 import TemplateError
 
 from engine.client import EngineClient
 from engine.embeddings import Embedders, EmbeddingInfo
-from engine.loop import describe
 from engine.protocol import (
     EngineStats,
     GenerationOutput,
     GenerationRequest,
-    InvalidRequestError,
     ModelInfo,
     ModelNotLoadedError,
     ModelSpec,
@@ -35,7 +32,7 @@ from engine.protocol import (
     PromptInput,
     RenderedPrompt,
 )
-from engine.templates import ERROR_TIMEOUT, apply_chat_template, with_deadline
+from engine.rendering import PromptRenderer
 from engine.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -66,18 +63,11 @@ class _LoopMailbox:
             queue.put_nowait(output)
 
 
-# Prompts render on threads of their own, so a burst of slow renders never holds the threads
-# the rest of the process runs blocking work on.
-RENDER_THREADS = 4
-
-
 class LocalEngineClient(EngineClient):
     def __init__(self, worker: EngineWorker | None = None):
         self.embedders = Embedders()
         self.worker = worker or EngineWorker()
-        self._render_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=RENDER_THREADS, thread_name_prefix="orchard-render"
-        )
+        self.renderer = PromptRenderer()
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox] = (
             weakref.WeakKeyDictionary()
         )
@@ -107,11 +97,19 @@ class LocalEngineClient(EngineClient):
         return engine.clear_prefix_cache().result(timeout)
 
     def start_loading(self, spec: ModelSpec, *, force: bool = False) -> None:
-        def report(future: concurrent.futures.Future) -> None:
-            if not future.cancelled() and future.exception() is not None:
-                logger.error("model %s could not be loaded: %s", spec.name, future.exception())
+        future = self.worker.load(spec, force=force)
+        future.add_done_callback(functools.partial(_report_load, spec.name))
 
-        self.worker.load(spec, force=force).add_done_callback(report)
+    def place_models(self, specs: list[ModelSpec], *, load_new: bool = True) -> None:
+        listed = {spec.name for spec in specs}
+        served = set(self.worker.names())
+        for spec in specs:
+            if load_new or spec.name in served:
+                future = self.worker.serve(spec)
+                future.add_done_callback(functools.partial(_report_load, spec.name))
+        for name in served - listed:
+            logger.info("no longer serving %s (registry)", name)
+            self.worker.retire(name)
 
     async def unload_model(self, name: str) -> None:
         await asyncio.to_thread(self.worker.unload, name)
@@ -120,23 +118,9 @@ class LocalEngineClient(EngineClient):
         self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
     ) -> RenderedPrompt:
         engine = self.worker.get(model)
-        tokenizer, checkpoints = engine.loaded.tokenizer, engine.info.hybrid
-        # Tokenizers and templates only: no MLX off the engine thread.
-        loop = asyncio.get_running_loop()
-        work = functools.partial(_render, tokenizer, prompt, checkpoints=checkpoints)
-        if timeout_s is None:
-            return await loop.run_in_executor(self._render_pool, work)
-        param = "messages" if prompt.messages is not None else "prompt"
-        render = loop.run_in_executor(
-            self._render_pool, functools.partial(with_deadline, work, timeout_s, param=param)
+        return await self.renderer.render(
+            engine.loaded.tokenizer, prompt, checkpoints=engine.info.hybrid, timeout_s=timeout_s
         )
-        try:
-            # The deadline stops Python code; this stops waiting for C code that runs on.
-            return await asyncio.wait_for(asyncio.shield(render), timeout_s + 1.0)
-        except TimeoutError:
-            raise InvalidRequestError(
-                ERROR_TIMEOUT.format(seconds=timeout_s), param=param
-            ) from None
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         tokenizer = self.worker.get(model).loaded.tokenizer
@@ -182,7 +166,7 @@ class LocalEngineClient(EngineClient):
         """`shutdown` for callers without an event loop (an atexit hook): abort everything in
         flight and join each engine thread, waiting at most `timeout` seconds for each."""
         self.worker.shutdown(timeout)
-        self._render_pool.shutdown(wait=False, cancel_futures=True)
+        self.renderer.close()
         self.embedders.stop()
 
     async def embedding_model(self, name: str, path: str) -> EmbeddingInfo:
@@ -195,66 +179,6 @@ class LocalEngineClient(EngineClient):
         return await asyncio.wrap_future(self.embedders.running(name).submit(token_ids))
 
 
-# Tokens at the end of a chat prompt decoded for `RenderedPrompt.tail_text`.
-TAIL_TOKENS = 8
-
-
-def _render(tokenizer, prompt: PromptInput, *, checkpoints: bool = False) -> RenderedPrompt:
-    if prompt.token_ids is not None:
-        return RenderedPrompt(tuple(prompt.token_ids))
-    if prompt.messages is not None:
-        try:
-            ids = _chat(tokenizer, prompt, prompt.messages, prompt.add_generation_prompt)
-            tail = tokenizer.decode(ids[-TAIL_TOKENS:]) if ids else ""
-            points = _checkpoints(tokenizer, prompt, ids) if checkpoints else ()
-            return RenderedPrompt(tuple(ids), points, tail_text=tail)
-        except InvalidRequestError:
-            raise
-        except Exception as exc:
-            # Templates raise on conversations they cannot render (roles out of order, a range
-            # too large, recursion over a deep tool schema, ...): the caller's input, a 400.
-            if not isinstance(exc, ValueError | TypeError | TemplateError):
-                logger.warning("chat template failed with %s", describe(exc))
-            raise InvalidRequestError(
-                f"The messages could not be rendered by the chat template: {exc}", param="messages"
-            ) from exc
-    if prompt.text is not None:
-        return RenderedPrompt(tuple(tokenizer.encode(prompt.text)))
-    raise InvalidRequestError("A prompt needs messages, text or token ids.", param="prompt")
-
-
-def _chat(tokenizer, prompt: PromptInput, messages, add_generation_prompt: bool) -> list[int]:
-    return apply_chat_template(
-        tokenizer,
-        messages,
-        tools=prompt.tools,
-        add_generation_prompt=add_generation_prompt,
-        chat_template_kwargs=prompt.chat_template_kwargs,
-    )
-
-
-def _checkpoints(tokenizer, prompt: PromptInput, ids: list[int]) -> tuple[int, ...]:
-    """Where a later request is likely to resume: after the system messages (and the tools the
-    template puts there), and after the conversation before the last user turn.
-
-    Rendering those messages alone would not do: templates render a conversation's last
-    message differently (Qwen3 gives a final assistant turn an empty think block). So each
-    boundary is where the prompt parts from the same conversation cut there and followed by
-    an empty user turn: both have the same shape up to the new turn's text."""
-    messages = prompt.messages
-    num_system = next(
-        (i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages)
-    )
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
-    points = set()
-    for end in {num_system, last_user}:
-        if 0 < end < len(messages):
-            variant = [*messages[:end], {"role": "user", "content": ""}]
-            other = _chat(tokenizer, prompt, variant, add_generation_prompt=False)
-            common = next(
-                (i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b),
-                min(len(ids), len(other)),
-            )
-            if 0 < common < len(ids) - 1:
-                points.add(common)
-    return tuple(sorted(points))
+def _report_load(name: str, future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("model %s could not be loaded: %s", name, future.exception())

@@ -69,6 +69,9 @@ class EngineLoop:
         self.loaded: LoadedModel | None = None
         self._grammars: Grammars | None = None
         self.ready: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+        # Resolves when the thread's loop has ended: with None after a stop or a drain, with
+        # the reason when the loop died (the worker restarts such an engine).
+        self.ended: concurrent.futures.Future[str | None] = concurrent.futures.Future()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._num_queued = 0  # submitted, not yet seen by the engine thread
@@ -143,6 +146,11 @@ class EngineLoop:
             self._num_queued += 1
             # Under the lock, so a request is queued before the loop's end drains the inbox.
             self._inbox.put(("add", (spec, emit, max_tokens)))
+
+    def has_requests(self) -> bool:
+        """Whether any request is queued, waiting or running (thread-safe)."""
+        with self._lock:
+            return bool(self._num_queued or self._num_waiting or self._num_running)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); a no-op when it has finished or is unknown."""
@@ -234,6 +242,7 @@ class EngineLoop:
             self.setup()
         except BaseException as exc:
             self.ready.set_exception(exc)
+            self.ended.set_result(None)
             return
         self.ready.set_result(self.serving_info(self.loaded.info))
         status, error = RequestStatus.FINISHED_ABORTED, None
@@ -247,7 +256,10 @@ class EngineLoop:
         finally:
             with self._lock:
                 self._closing = True
-            self.close(status, error)
+            try:
+                self.close(status, error)
+            finally:
+                self.ended.set_result(error)
 
     def _take(self, block: bool) -> list:
         """Commands from the inbox: all that are there, waiting for the first one if `block`."""
@@ -309,6 +321,7 @@ class EngineLoop:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens,
                 stop_sequence=seq.detokenizer.matched_stop if status else None,
+                num_generated_tokens=len(seq.output_token_ids) if status else 0,
             )
         )
 
@@ -317,7 +330,9 @@ class EngineLoop:
         """End every live sequence of a request with `status` and tell the caller."""
         for seq in request.live_sequences():
             seq.status = status
-            _emit_end(request.spec, request.emit, seq.index, status, error)
+            _emit_end(
+                request.spec, request.emit, seq.index, status, error, len(seq.output_token_ids)
+            )
 
     def setup(self) -> None:
         """Build per-model state on the engine thread, after loading."""
@@ -373,7 +388,12 @@ def end_queued(
 
 
 def _emit_end(
-    spec: GenerationRequest, emit: Emit, index: int, status: RequestStatus, error: str | None
+    spec: GenerationRequest,
+    emit: Emit,
+    index: int,
+    status: RequestStatus,
+    error: str | None,
+    num_generated: int = 0,
 ) -> None:
     output = GenerationOutput(
         index=index,
@@ -382,6 +402,7 @@ def _emit_end(
         finish_reason=status.finish_reason,
         num_prompt_tokens=len(spec.prompt_token_ids),
         error=error,
+        num_generated_tokens=num_generated,
     )
     try:
         emit(output)

@@ -160,6 +160,7 @@ class ModelStatus:
     failed_at: float | None = None  # Unix time of the failure
     failed_spec: ModelSpec | None = None
     stats: EngineStats | None = None  # of the serving engine
+    restarts: int = 0  # times its engine died and was started again by the worker
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,9 @@ class GenerationOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     stop_sequence: str | None = None  # the stop string that ended this choice, if one did
+    # On a choice's last event: every token the engine generated for it. A caller that got the
+    # events over a network reconciles what it received (and bills) against this.
+    num_generated_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -7,6 +7,7 @@ engine thread, so that thread is the only one that ever touches the model's MLX 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,10 +28,16 @@ from engine.protocol import (
 from engine.request import Emit
 from engine.simple import SimpleEngine
 
+logger = logging.getLogger(__name__)
+
 ENGINES: dict[str, type[EngineLoop]] = {"batched": BatchedEngine, "simple": SimpleEngine}
 # A spec whose load failed is not retried by requests before this many seconds: a broken path
 # must not cost every request a load attempt. `load` (an admin's reload) retries at once.
 LOAD_RETRY_AFTER_S = 60.0
+# An engine whose loop dies is started again after the first delay; one that dies again soon
+# after (within RESTART_RESET_S of its restart) waits twice as long, up to the last.
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
+RESTART_RESET_S = 60.0
 
 Loader = Callable[[ModelSpec], LoadedModel]
 
@@ -67,6 +74,8 @@ class EngineWorker:
         self._loading: dict[str, tuple[EngineLoop, concurrent.futures.Future[ModelInfo]]] = {}
         self._failures: dict[str, _Failure] = {}  # the last failed load per name
         self._retired: list[EngineLoop] = []  # replaced engines, possibly still draining
+        self._restarts: dict[str, tuple[int, float]] = {}  # name -> (deaths in a row, last at)
+        self._closed = False
         self._lock = threading.Lock()
 
     def load(self, spec: ModelSpec, *, force: bool = False) -> concurrent.futures.Future[ModelInfo]:
@@ -136,6 +145,7 @@ class EngineWorker:
                 old = self._engines.get(name)
                 self._engines[name] = engine
                 self._failures.pop(name, None)
+                engine.ended.add_done_callback(lambda ended: self._ended(engine, ended.result()))
             else:
                 self._failures[name] = _Failure(
                     engine.spec, describe(error), time.time(), time.monotonic() + LOAD_RETRY_AFTER_S
@@ -148,6 +158,31 @@ class EngineWorker:
             swapped.set_exception(error)
         else:
             swapped.set_result(engine.ready.result())
+
+    def _ended(self, engine: EngineLoop, error: str | None) -> None:
+        """An engine's loop ended: if it died while serving its name, start it again (its
+        in-flight requests have ended with "error"), sooner the first time."""
+        if error is None:
+            return
+        name = engine.spec.name
+        with self._lock:
+            if self._closed or self._engines.get(name) is not engine:
+                return
+            deaths, last = self._restarts.get(name, (0, 0.0))
+            now = time.monotonic()
+            deaths = deaths + 1 if now - last < RESTART_RESET_S else 1
+            self._restarts[name] = (deaths, now)
+        delay = RESTART_DELAYS_S[min(deaths, len(RESTART_DELAYS_S)) - 1]
+        logger.error("engine for %s died (%s); restarting it in %.0f s", name, error, delay)
+        timer = threading.Timer(delay, self._restart, (engine,))
+        timer.daemon = True
+        timer.start()
+
+    def _restart(self, engine: EngineLoop) -> None:
+        with self._lock:
+            if self._closed or self._engines.get(engine.spec.name) is not engine:
+                return  # replaced, unloaded or shut down meanwhile
+            self._load_locked(engine.spec, force=True)
 
     def status(self, name: str) -> ModelStatus:
         """What serves `name` now, what loads, and the last load failure (for the admin)."""
@@ -172,6 +207,7 @@ class EngineWorker:
             failed_at=failure.at if failure is not None else None,
             failed_spec=failure.spec if failure is not None else None,
             stats=current.stats() if current is not None and current.is_serving else None,
+            restarts=self._restarts.get(name, (0, 0.0))[0],
         )
 
     def unload(self, name: str) -> None:
@@ -186,12 +222,37 @@ class EngineWorker:
             if engine is not None:
                 engine.stop()
 
+    def retire(self, name: str) -> None:
+        """Stop serving `name` without aborting anyone: its engine finishes what it has in
+        flight, refusing new requests, then ends (returns at once). A load under way is
+        dropped when it finishes."""
+        with self._lock:
+            engine = self._engines.pop(name, None)
+            self._loading.pop(name, None)
+            self._failures.pop(name, None)
+            self._restarts.pop(name, None)
+            if engine is not None:
+                self._retired = [e for e in self._retired if e.is_alive()] + [engine]
+        if engine is not None:
+            engine.drain()
+
+    def is_idle(self) -> bool:
+        """No engine holds a request (queued, waiting or running)."""
+        with self._lock:
+            engines = [*self._engines.values(), *self._retired]
+        return all(not e.is_alive() or not e.has_requests() for e in engines)
+
     def get(self, name: str) -> EngineLoop:
         """The engine serving `name`, once its model has loaded."""
         engine = self._engines.get(name)
         if engine is None or not engine.is_serving:
             raise ModelNotLoadedError(f"The model {name!r} is not loaded.")
         return engine
+
+    def names(self) -> list[str]:
+        """Names this worker serves or loads (what retire or unload would stop)."""
+        with self._lock:
+            return sorted(set(self._engines) | set(self._loading))
 
     def model_names(self) -> list[str]:
         """Names with an engine (serving or dead), as `stats` reports them."""
@@ -229,6 +290,7 @@ class EngineWorker:
                 *self._retired,
             ]
             self._engines, self._loading, self._retired = {}, {}, []
+            self._closed = True
         for engine in engines:
             engine.stop(timeout)
 

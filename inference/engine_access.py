@@ -16,17 +16,51 @@ _client: EngineClient | None = None
 def get_engine_client() -> EngineClient:
     global _client
     if _client is None:
-        if settings.ORCHARD_ENGINE != "local":
-            raise ImproperlyConfigured(
-                f"ORCHARD_ENGINE={settings.ORCHARD_ENGINE!r} is not supported yet; use 'local'."
-            )
-        from engine.local import LocalEngineClient
+        if settings.ORCHARD_ENGINE == "remote":
+            _client = remote_client()
+        elif settings.ORCHARD_ENGINE == "local":
+            from engine.local import LocalEngineClient
 
-        _client = LocalEngineClient()
+            _client = LocalEngineClient()
+        else:
+            raise ImproperlyConfigured(f"Unknown ORCHARD_ENGINE {settings.ORCHARD_ENGINE!r}.")
         # Stop with the web process: abort what is in flight and join the engine threads, so no
         # thread is killed in the middle of an MLX call.
         atexit.register(_client.close, 10)
     return _client
+
+
+def remote_client() -> EngineClient:
+    from inference.workers.beats import BeatStore
+    from inference.workers.client import RemoteEngineClient
+
+    return RemoteEngineClient(
+        store=BeatStore(settings.REDIS_URL, settings.ORCHARD_WORKER_NAMESPACE),
+        namespace=settings.ORCHARD_WORKER_NAMESPACE,
+        heartbeat_s=settings.ORCHARD_WORKER_HEARTBEAT_SECONDS,
+        timeout_s=settings.ORCHARD_WORKER_TIMEOUT_SECONDS,
+        load_wait_s=settings.ORCHARD_MODEL_LOAD_WAIT_SECONDS,
+    )
+
+
+def enabled_chat_specs() -> list:
+    """The registry's enabled chat models as engine specs."""
+    from inference.models import ModelEntry
+    from inference.services.registry import model_spec
+
+    entries = ModelEntry.objects.filter(enabled=True, kind=ModelEntry.Kind.CHAT)
+    return [model_spec(entry) for entry in entries]
+
+
+def registry_changed() -> None:
+    """After an admin change to the registry: the engines follow it (new and changed models
+    load beside what serves, disabled ones stop once their requests finish), without a
+    restart and without making any request wait."""
+    try:
+        specs = enabled_chat_specs()
+        get_engine_client().place_models(specs, load_new=settings.ORCHARD_PRELOAD_MODELS)
+    except Exception:
+        logger.exception("the engines could not follow the registry change")
 
 
 def preload_models() -> None:
@@ -42,7 +76,10 @@ def preload_models() -> None:
         logger.warning("model preload skipped: the database is not ready (run migrate)")
         return
     client = get_engine_client()
+    remote = settings.ORCHARD_ENGINE == "remote"
     for entry in entries:
+        if remote and entry.kind == ModelEntry.Kind.CHAT:
+            continue  # the workers place chat models themselves
         logger.info("loading model %s from %s", entry.name, entry.path)
         if entry.kind == ModelEntry.Kind.EMBEDDING:
             threading.Thread(

@@ -114,6 +114,7 @@ class Execution:
     _started_at: float = field(default_factory=time.monotonic)
     _first_token_ms: int | None = None
     _last_token_at: dict[int, float] = field(default_factory=dict)  # per choice, for metrics
+    _choice_tokens: dict[int, int] = field(default_factory=dict)
     _finished: bool = False
     _finish_task: asyncio.Task | None = None
     _failure: str | None = None  # set by `fail`: the response broke outside the engine
@@ -287,6 +288,11 @@ class Execution:
                 metrics.inter_token(self.model, gap, len(output.token_ids))
             self._last_token_at[choice] = now
         self.num_completion_tokens += len(output.token_ids)
+        received = self._choice_tokens.get(choice, 0) + len(output.token_ids)
+        self._choice_tokens[choice] = received
+        if output.finish_reason is not None and output.num_generated_tokens > received:
+            # Events lost on the way from a remote worker: bill what the engine generated.
+            self.num_completion_tokens += output.num_generated_tokens - received
 
     async def _merged(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
         counted: set[int] = set()

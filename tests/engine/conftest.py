@@ -34,9 +34,11 @@ def tiny_model(request) -> LoadedModel:
     return request.getfixturevalue("tiny_llama" if request.param == "llama" else "tiny_qwen3_next")
 
 
-async def eventually(predicate: Callable[[], Awaitable[bool] | bool]) -> None:
+async def eventually(
+    predicate: Callable[[], Awaitable[bool] | bool], *, timeout: float = 10
+) -> None:
     """Wait until `predicate` holds: engine state lives on another thread, so tests poll it."""
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(timeout):
         while True:
             result = predicate()
             if await result if inspect.isawaitable(result) else result:

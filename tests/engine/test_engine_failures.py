@@ -120,7 +120,7 @@ async def test_a_failing_emit_ends_only_its_request(client):
     assert finish_reasons(await outputs_of(client, "later", greedy(2))) == {0: "length"}
 
 
-async def test_a_dead_loop_ends_its_requests_with_error_and_the_next_load_restarts_it(
+async def test_a_dead_loop_ends_its_requests_with_error_and_the_worker_restarts_it(
     client, monkeypatch
 ):
     served = client.worker.get("tiny")
@@ -137,13 +137,21 @@ async def test_a_dead_loop_ends_its_requests_with_error_and_the_next_load_restar
         assert "engine stopped" in outputs[-1].error
     await eventually(lambda: not served.is_alive())
     with pytest.raises(ModelNotLoadedError):
-        client.worker.get("tiny")
-    with pytest.raises(ModelNotLoadedError):
-        await outputs_of(client, "refused", greedy(2))
+        served.submit(make_request("refused", [1, 2], greedy(2)), lambda output: None)
 
-    await client.ensure_model(SPEC)
+    # Nobody asks for a reload: the worker starts the engine again on its own.
+    await eventually(lambda: client.model_status("tiny").state == "serving", timeout=20)
     assert client.worker.get("tiny") is not served
+    assert client.model_status("tiny").restarts == 1
     assert finish_reasons(await outputs_of(client, "again", greedy(2))) == {0: "length"}
+
+    # Dying again soon after: restarted again, after a delay that grows.
+    restarted = client.worker.get("tiny")
+    monkeypatch.setattr(restarted.scheduler, "has_work", has_work)
+    assert set(finish_reasons(await outputs_of(client, "dies", greedy(50))).values()) == {"error"}
+    await eventually(lambda: client.model_status("tiny").restarts == 2, timeout=20)
+    await eventually(lambda: client.model_status("tiny").state == "serving", timeout=20)
+    assert client.worker.get("tiny") is not restarted
 
 
 async def test_mlx_arrays_are_made_only_on_the_servedthread(client, monkeypatch):

@@ -1,0 +1,177 @@
+"""Worker heartbeats in Redis: what each worker serves, its load and its cache use.
+
+A beat is a small JSON document under `{namespace}:worker:{id}` with a time to live, listed in
+the set `{namespace}:workers`; the models' `ModelInfo` (larger, and fixed while a spec serves)
+sit under `{namespace}:info:{id}:{model}`. Readers judge liveness by their own clock: a worker
+whose beat number has not moved for the timeout is dead, whatever the clocks of the machines
+say. Beats are state, not messages, so they live in plain keys rather than on the channel
+layer (whose messages expire and can be dropped).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from engine.protocol import EngineStats, ModelInfo, ModelSpec
+
+
+@dataclass
+class ModelBeat:
+    """One model on one worker: `state` as ModelStatus has it (serving, loading, failed,
+    stopped); `spec` the serving spec (else the loading one); `version` names the info key's
+    content (changes when another spec starts serving)."""
+
+    name: str
+    state: str
+    spec: dict[str, Any] | None = None
+    loading: dict[str, Any] | None = None
+    error: str | None = None
+    failed_at: float | None = None
+    failed_spec: dict[str, Any] | None = None
+    stats: dict[str, Any] | None = None
+    version: str = ""
+    restarts: int = 0
+
+    @property
+    def load(self) -> int:
+        stats = self.stats or {}
+        return int(stats.get("num_waiting", 0)) + int(stats.get("num_running", 0))
+
+    def engine_stats(self) -> EngineStats | None:
+        if not self.stats:
+            return None
+        return EngineStats(
+            **{**self.stats, "prefix_cache": dict(self.stats.get("prefix_cache", {}))}
+        )
+
+    def model_spec(self) -> ModelSpec | None:
+        return ModelSpec.from_dict(self.spec) if self.spec else None
+
+
+@dataclass
+class WorkerBeat:
+    worker_id: str
+    host: str
+    pid: int
+    started_at: float  # Unix time, for people
+    at: float = 0.0  # Unix time of this beat (a hint: liveness goes by `seq` moving)
+    seq: int = 0
+    draining: bool = False
+    model_filter: list[str] | None = None  # --models, None: every enabled model
+    models: dict[str, ModelBeat] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerBeat:
+        data = json.loads(text)
+        models = {name: ModelBeat(**beat) for name, beat in data.pop("models", {}).items()}
+        return cls(**data, models=models)
+
+
+class BeatStore:
+    """Read and write beats (async for the worker and the web process's loop, sync for the
+    admin's threads)."""
+
+    def __init__(self, url: str, namespace: str):
+        self.url = url
+        self.namespace = namespace
+        self._async: redis.asyncio.Redis | None = None
+        self._sync: redis.Redis | None = None
+
+    # Keys
+    def _key(self, worker_id: str) -> str:
+        return f"{self.namespace}:worker:{worker_id}"
+
+    def _info_key(self, worker_id: str, model: str) -> str:
+        return f"{self.namespace}:info:{worker_id}:{model}"
+
+    @property
+    def _set(self) -> str:
+        return f"{self.namespace}:workers"
+
+    def _aredis(self) -> redis.asyncio.Redis:
+        if self._async is None:
+            self._async = redis.asyncio.Redis.from_url(self.url, socket_timeout=5)
+        return self._async
+
+    def _redis(self) -> redis.Redis:
+        if self._sync is None:
+            self._sync = redis.Redis.from_url(self.url, socket_timeout=5)
+        return self._sync
+
+    # Writing (the worker)
+    async def publish(self, beat: WorkerBeat, ttl_s: float) -> None:
+        client = self._aredis()
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.set(self._key(beat.worker_id), beat.to_json(), px=max(1, int(ttl_s * 1000)))
+            pipe.sadd(self._set, beat.worker_id)
+            await pipe.execute()
+
+    async def publish_info(
+        self, worker_id: str, version: str, spec: ModelSpec, info: ModelInfo, ttl_s: float
+    ) -> None:
+        data = json.dumps({"version": version, "spec": spec.to_dict(), "info": info.to_dict()})
+        await self._aredis().set(self._info_key(worker_id, spec.name), data, px=int(ttl_s * 1000))
+
+    async def refresh_info(self, worker_id: str, models: list[str], ttl_s: float) -> None:
+        if not models:
+            return
+        async with self._aredis().pipeline(transaction=False) as pipe:
+            for name in models:
+                pipe.pexpire(self._info_key(worker_id, name), int(ttl_s * 1000))
+            await pipe.execute()
+
+    async def remove(self, worker_id: str, models: list[str]) -> None:
+        client = self._aredis()
+        await client.delete(self._key(worker_id), *(self._info_key(worker_id, m) for m in models))
+        await client.srem(self._set, worker_id)
+
+    # Reading (web processes)
+    async def read_all(self) -> list[WorkerBeat]:
+        client = self._aredis()
+        ids = sorted(i.decode() for i in await client.smembers(self._set))
+        if not ids:
+            return []
+        values = await client.mget([self._key(i) for i in ids])
+        return await self._parse(ids, values, client.srem)
+
+    def read_all_sync(self) -> list[WorkerBeat]:
+        client = self._redis()
+        ids = sorted(i.decode() for i in client.smembers(self._set))
+        if not ids:
+            return []
+        values = client.mget([self._key(i) for i in ids])
+        gone = [i for i, v in zip(ids, values, strict=True) if v is None]
+        if gone:
+            client.srem(self._set, *gone)
+        return [WorkerBeat.from_json(v) for v in values if v is not None]
+
+    async def _parse(self, ids, values, srem) -> list[WorkerBeat]:
+        gone = [i for i, v in zip(ids, values, strict=True) if v is None]
+        if gone:
+            await srem(self._set, *gone)  # expired beats: those workers are gone
+        return [WorkerBeat.from_json(v) for v in values if v is not None]
+
+    async def read_info(self, worker_id: str, model: str) -> tuple[str, ModelInfo] | None:
+        raw = await self._aredis().get(self._info_key(worker_id, model))
+        if raw is None:
+            return None
+        data = json.loads(raw)
+        return data["version"], ModelInfo.from_dict(data["info"])
+
+    async def aclose(self) -> None:
+        if self._async is not None:
+            await self._async.aclose()
+            self._async = None
+
+    def close(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None

@@ -1,0 +1,649 @@
+"""RemoteEngineClient: the web process's `EngineClient` when engines run in `runengine` workers.
+
+Routing: each request goes to a live, non-draining worker serving its model, the one with the
+least load (its last beat's queue + running, plus what this process sent it since that beat),
+preferring workers on the registry's current spec. A worker that refuses a request it could not
+run (draining, not serving the model, overloaded) hands it to the next one.
+
+Prompts render here, with the model's tokenizer read from its registry path (tokenizer files
+only, no weights), so a request costs no extra round trip; where the web host cannot read the
+files, the worker renders instead (one round trip).
+
+Token events arrive on one reply channel per process, numbered per worker: they are put back in
+order, and a message that never arrives (the channel layer drops what expires or overflows) is
+skipped after GAP_TIMEOUT_S; each choice's last event carries the engine's count of generated
+tokens, so a reply that lost events ends with an error instead of passing as complete.
+
+A worker whose beat has not moved for `timeout_s` is dead: its requests end with an error (their
+usage rows finish as failed, in the web process that owns them) and it leaves routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asgiref.sync import async_to_sync
+
+from engine.client import EngineClient
+from engine.embeddings import Embedders
+from engine.protocol import (
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    ModelLoadError,
+    ModelNotLoadedError,
+    ModelSpec,
+    ModelStatus,
+    PromptInput,
+    RenderedPrompt,
+)
+from engine.rendering import PromptRenderer
+from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
+from inference.workers.wire import (
+    decode_error,
+    decode_output,
+    registry_group,
+    reply_prefix,
+    worker_channel,
+)
+
+logger = logging.getLogger(__name__)
+
+GAP_TIMEOUT_S = 1.0
+CALL_TIMEOUT_S = 30.0
+# After asking the workers to look at the registry, how long a model nobody serves may take to
+# show up as loading somewhere before the request is refused.
+PLACEMENT_GRACE_S = 3.0
+ERROR_LOST = "Part of this reply was lost between the engine worker and the web server."
+ERROR_WORKER_GONE = "The engine worker serving this request stopped responding."
+
+
+@dataclass
+class _Worker:
+    beat: WorkerBeat
+    seen_seq: int
+    seen_at: float  # time.monotonic() when its beat number last moved
+    confirmed: bool  # its beat is fresh (seen moving, or recent by the wall clock)
+
+
+@dataclass
+class _Order:
+    """Messages from one worker, put back in the order it sent them."""
+
+    next: int = 0
+    waiting: dict[int, dict] = field(default_factory=dict)
+    gap_since: float | None = None
+
+
+@dataclass
+class _Flight:
+    request: GenerationRequest
+    worker_id: str
+    sent_at_seq: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    received: dict[int, int] = field(default_factory=dict)  # tokens per choice
+    finished: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Rejected:
+    error: dict[str, Any]
+
+
+class RemoteEngineClient(EngineClient):
+    def __init__(
+        self,
+        *,
+        store: BeatStore,
+        namespace: str,
+        heartbeat_s: float = 1.0,
+        timeout_s: float = 5.0,
+        load_wait_s: float = 600.0,
+        layer_factory=None,
+    ):
+        from channels.layers import get_channel_layer
+
+        self.embedders = Embedders()  # embedding models run in the web process
+        self.renderer = PromptRenderer()
+        self.store = store
+        self.namespace = namespace
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self.load_wait_s = load_wait_s
+        self.refresh_s = min(0.5, heartbeat_s / 2)
+        self._layer_factory = layer_factory or get_channel_layer
+        self._layer = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reply: str | None = None
+        self._starting: asyncio.Lock | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self._workers: dict[str, _Worker] = {}
+        self._snapshot: tuple[float, list[WorkerBeat]] = (0.0, [])  # for other threads
+        self._orders: dict[str, _Order] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._calls: dict[str, tuple[asyncio.Future, str]] = {}
+        self._infos: dict[tuple[str, str], tuple[str, ModelInfo]] = {}
+        self._tokenizers: dict[tuple[str, int], Any] = {}
+        self._wanted: dict[str, ModelSpec] = {}
+
+    # Starting
+    async def _started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._reply is not None:
+            return
+        if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
+            raise RuntimeError("a RemoteEngineClient serves the one event loop it started on")
+        if self._loop is not loop:
+            self._loop, self._reply, self._starting = loop, None, asyncio.Lock()
+        async with self._starting:
+            if self._reply is not None:
+                return
+            self._layer = self._layer_factory()
+            reply = await self._layer.new_channel(reply_prefix(self.namespace))
+            self._workers, self._orders = {}, {}
+            self._tasks = [
+                asyncio.create_task(self._receive_loop(reply), name="orchard-remote-receive"),
+                asyncio.create_task(self._refresh_loop(), name="orchard-remote-refresh"),
+            ]
+            await self._refresh()
+            self._reply = reply
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # Beats
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self._refresh()
+            except Exception:
+                logger.warning("could not read the engine workers' beats", exc_info=True)
+            self._close_gaps()
+
+    async def _refresh(self) -> None:
+        self._update(await self.store.read_all())
+
+    def _update(self, beats: list[WorkerBeat]) -> None:
+        now, wall = time.monotonic(), time.time()
+        seen = set()
+        for beat in beats:
+            seen.add(beat.worker_id)
+            known = self._workers.get(beat.worker_id)
+            if known is None:
+                fresh = abs(wall - beat.at) < self.timeout_s
+                self._workers[beat.worker_id] = _Worker(beat, beat.seq, now, confirmed=fresh)
+            elif beat.seq != known.seen_seq:
+                known.beat, known.seen_seq, known.seen_at, known.confirmed = (
+                    beat,
+                    beat.seq,
+                    now,
+                    True,
+                )
+        for worker_id, known in list(self._workers.items()):
+            if worker_id not in seen or now - known.seen_at > self.timeout_s:
+                self._lost(worker_id)
+        self._snapshot = (now, [w.beat for w in self._workers.values() if w.confirmed])
+
+    def _lost(self, worker_id: str) -> None:
+        """A worker stopped beating: end what it held with an error; it leaves routing."""
+        known = self._workers.pop(worker_id, None)
+        self._orders.pop(worker_id, None)
+        for key in [k for k in self._infos if k[0] == worker_id]:
+            del self._infos[key]
+        flights = [f for f in self._flights.values() if f.worker_id == worker_id]
+        if known is not None and (flights or known.confirmed):
+            logger.warning(
+                "engine worker %s is gone; ending %d request(s)", worker_id, len(flights)
+            )
+        for flight in flights:
+            for index in range(flight.request.sampling.n):
+                if index not in flight.finished:
+                    flight.finished.add(index)
+                    flight.queue.put_nowait(self._error_output(flight, index, ERROR_WORKER_GONE))
+        for future, target in list(self._calls.values()):
+            if target == worker_id and not future.done():
+                future.set_exception(ModelNotLoadedError(ERROR_WORKER_GONE))
+
+    @staticmethod
+    def _error_output(flight: _Flight, index: int, error: str) -> GenerationOutput:
+        return GenerationOutput(
+            index=index,
+            text="",
+            token_ids=(),
+            finish_reason="error",
+            num_prompt_tokens=len(flight.request.prompt_token_ids),
+            error=error,
+        )
+
+    def _live(self) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.confirmed]
+
+    def _serving(self, model: str) -> list[_Worker]:
+        return [
+            w
+            for w in self._live()
+            if not w.beat.draining
+            and (beat := w.beat.models.get(model)) is not None
+            and beat.state == "serving"
+        ]
+
+    # Receiving
+    async def _receive_loop(self, reply: str) -> None:
+        while True:
+            try:
+                message = await self._layer.receive(reply)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning("receiving engine events failed", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                self._arrived(message)
+            except Exception:
+                logger.exception("bad engine message: %.200r", message)
+
+    def _arrived(self, message: dict) -> None:
+        order = self._orders.setdefault(message["worker"], _Order())
+        seq = message["seq"]
+        if seq < order.next:
+            logger.warning("dropping a late message %d from %s", seq, message["worker"])
+            return
+        order.waiting[seq] = message
+        while order.next in order.waiting:
+            self._apply(order.waiting.pop(order.next))
+            order.next += 1
+        order.gap_since = (order.gap_since or time.monotonic()) if order.waiting else None
+
+    def _close_gaps(self) -> None:
+        now = time.monotonic()
+        for worker_id, order in self._orders.items():
+            if order.gap_since is not None and now - order.gap_since > GAP_TIMEOUT_S:
+                logger.warning("messages %d.. from %s never came", order.next, worker_id)
+                order.next = min(order.waiting)
+                while order.next in order.waiting:
+                    self._apply(order.waiting.pop(order.next))
+                    order.next += 1
+                order.gap_since = now if order.waiting else None
+
+    def _apply(self, message: dict) -> None:
+        for kind, ident, payload in message["events"]:
+            if kind == "res":
+                entry = self._calls.get(ident)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(payload)
+                continue
+            flight = self._flights.get(ident)
+            if flight is None:
+                continue  # its caller has gone
+            if kind == "rej":
+                flight.queue.put_nowait(_Rejected(payload))
+                continue
+            output = decode_output(payload)
+            if output.index in flight.finished:
+                continue  # ended already (its worker was given up for dead)
+            received = flight.received.get(output.index, 0) + len(output.token_ids)
+            flight.received[output.index] = received
+            if output.finish_reason is not None:
+                flight.finished.add(output.index)
+                if output.num_generated_tokens > received:
+                    output = dataclasses.replace(output, finish_reason="error", error=ERROR_LOST)
+            flight.queue.put_nowait(output)
+
+    # Models
+    async def serving_model(self, spec: ModelSpec) -> ModelInfo:
+        await self._started()
+        self._wanted[spec.name] = spec
+        return await self._wait_for(spec, exact=False)
+
+    async def ensure_model(self, spec: ModelSpec) -> ModelInfo:
+        await self._started()
+        self._wanted[spec.name] = spec
+        return await self._wait_for(spec, exact=True)
+
+    async def _wait_for(self, spec: ModelSpec, *, exact: bool) -> ModelInfo:
+        deadline = time.monotonic() + self.load_wait_s
+        nudged_at: float | None = None
+        wanted = spec.to_dict()
+        while True:
+            serving = self._serving(spec.name)
+            matching = [w for w in serving if w.beat.models[spec.name].spec == wanted]
+            if serving and not matching and nudged_at is None:
+                await self._nudge()  # the workers load the registry's new spec beside the old
+                nudged_at = time.monotonic()
+            group = matching if exact else (matching or serving)
+            infos = [info for w in group if (info := await self._info(w, spec.name)) is not None]
+            if infos:
+                return min(infos, key=lambda i: i.max_request_tokens or math.inf)
+            beats = [b for w in self._live() if (b := w.beat.models.get(spec.name)) is not None]
+            if not any(b.state == "loading" for b in beats) and not serving:
+                failed = [b for b in beats if b.error]
+                if failed:
+                    raise ModelLoadError(failed[0].error)
+                if nudged_at is None:
+                    await self._nudge()
+                    nudged_at = time.monotonic()
+                elif time.monotonic() - nudged_at > max(PLACEMENT_GRACE_S, 3 * self.heartbeat_s):
+                    raise ModelLoadError(
+                        f"No engine worker serves the model {spec.name!r} (start one with "
+                        "`manage.py runengine`, or check its --models)."
+                    )
+            if time.monotonic() > deadline:
+                raise ModelLoadError(f"The model {spec.name!r} is still loading.")
+            await asyncio.sleep(self.refresh_s / 2)
+
+    async def _info(self, worker: _Worker, model: str) -> ModelInfo | None:
+        version = worker.beat.models[model].version
+        key = (worker.beat.worker_id, model)
+        cached = self._infos.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        found = await self.store.read_info(worker.beat.worker_id, model)
+        if found is None or found[0] != version:
+            return None
+        self._infos[key] = found
+        return found[1]
+
+    async def _nudge(self) -> None:
+        try:
+            await self._layer.group_send(
+                registry_group(self.namespace), {"type": "registry.changed"}
+            )
+        except Exception:
+            logger.warning("could not reach the engine workers", exc_info=True)
+
+    def place_models(self, specs: list[ModelSpec]) -> None:
+        """The workers read the registry themselves: tell them to look now."""
+        self._group_send_sync({"type": "registry.changed"})
+
+    def start_loading(self, spec: ModelSpec, *, force: bool = False) -> None:
+        self._group_send_sync({"type": "load", "spec": spec.to_dict(), "force": force})
+
+    async def unload_model(self, name: str) -> None:
+        await self._started()
+        await self._layer.group_send(
+            registry_group(self.namespace), {"type": "unload", "model": name}
+        )
+
+    def _group_send_sync(self, message: dict) -> None:
+        from channels.layers import get_channel_layer
+
+        try:
+            async_to_sync(get_channel_layer().group_send)(registry_group(self.namespace), message)
+        except Exception:
+            logger.warning("could not reach the engine workers", exc_info=True)
+
+    def workers(self) -> list[WorkerBeat]:
+        """The live workers' last beats (any thread)."""
+        at, beats = self._snapshot
+        if time.monotonic() - at < 2 * self.refresh_s + 1:
+            return list(beats)
+        wall = time.time()
+        return [b for b in self.store.read_all_sync() if abs(wall - b.at) < self.timeout_s]
+
+    def model_status(self, name: str) -> ModelStatus:
+        beats = [(w, b) for w in self.workers() if (b := w.models.get(name)) is not None]
+        serving = [b for w, b in beats if b.state == "serving" and not w.draining]
+        loading = [b for _, b in beats if b.loading]
+        failed = [b for _, b in beats if b.error]
+        if serving:
+            state = "serving"
+        elif loading:
+            state = "loading"
+        elif failed:
+            state = "failed"
+        elif beats:
+            state = "stopped"
+        else:
+            state = "not_loaded"
+        return ModelStatus(
+            name=name,
+            state=state,
+            serving=serving[0].model_spec() if serving else None,
+            loading=ModelSpec.from_dict(loading[0].loading) if loading else None,
+            error=failed[0].error if failed else None,
+            failed_at=failed[0].failed_at if failed else None,
+            failed_spec=ModelSpec.from_dict(failed[0].failed_spec)
+            if failed and failed[0].failed_spec
+            else None,
+            stats=_sum_stats(name, [b for b in serving]),
+            restarts=sum(b.restarts for _, b in beats),
+        )
+
+    def clear_prefix_cache(self, name: str, timeout: float = 30.0) -> int:
+        return async_to_sync(self._clear_prefix_cache)(name, timeout)
+
+    async def _clear_prefix_cache(self, name: str, timeout_s: float) -> int:
+        await self._started()
+        workers = self._serving(name)
+        results = await asyncio.gather(
+            *(self._call(w, "clear_cache", {"model": name}, timeout_s) for w in workers),
+            return_exceptions=True,
+        )
+        return sum(r for r in results if isinstance(r, int))
+
+    async def stats(self) -> list[EngineStats]:
+        await self._started()
+        names = sorted({name for w in self._live() for name in w.beat.models})
+        stats = [
+            _sum_stats(name, [b for w in self._serving(name) if (b := w.beat.models[name])])
+            for name in names
+        ]
+        return [s for s in stats if s is not None]
+
+    # Prompts
+    async def render_prompt(
+        self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
+    ) -> RenderedPrompt:
+        worker, info = await self._any_serving(model)
+        spec = worker.beat.models[model].model_spec()
+        tokenizer = await self._tokenizer(spec, info)
+        if tokenizer is not None:
+            return await self.renderer.render(
+                tokenizer, prompt, checkpoints=info.hybrid, timeout_s=timeout_s
+            )
+        args = {"model": model, "prompt": prompt.to_dict(), "timeout_s": timeout_s}
+        value = await self._call(worker, "render", args, (timeout_s or CALL_TIMEOUT_S) + 2)
+        return RenderedPrompt(
+            tuple(value["token_ids"]), tuple(value["checkpoints"]), value["tail_text"]
+        )
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        worker, info = await self._any_serving(model)
+        tokenizer = await self._tokenizer(worker.beat.models[model].model_spec(), info)
+        if tokenizer is not None:
+            return await asyncio.to_thread(tokenizer.decode, list(token_ids))
+        return await self._call(worker, "detokenize", {"model": model, "token_ids": token_ids})
+
+    async def _any_serving(self, model: str) -> tuple[_Worker, ModelInfo]:
+        await self._started()
+        workers = self._serving(model)
+        wanted = self._wanted.get(model)
+        if wanted is not None:
+            workers.sort(key=lambda w: w.beat.models[model].spec != wanted.to_dict())
+        for worker in workers:
+            info = await self._info(worker, model)
+            if info is not None:
+                return worker, info
+        raise ModelNotLoadedError(f"The model {model!r} is not loaded.")
+
+    async def _tokenizer(self, spec: ModelSpec, info: ModelInfo):
+        """The model's tokenizer read here, or None when this host cannot read its files."""
+        folder = Path(spec.path)
+        marker = next(
+            (
+                folder / n
+                for n in ("tokenizer.json", "tokenizer_config.json")
+                if (folder / n).is_file()
+            ),
+            None,
+        )
+        if marker is None:
+            return None
+        key = (str(folder), marker.stat().st_mtime_ns)
+        if key not in self._tokenizers:
+            self._tokenizers[key] = await asyncio.to_thread(_load_tokenizer, folder, info)
+        return self._tokenizers[key]
+
+    async def _call(self, worker: _Worker, op: str, args: dict, timeout_s: float = CALL_TIMEOUT_S):
+        call_id = secrets.token_hex(8)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (future, worker.beat.worker_id)
+        try:
+            await self._layer.send(
+                worker_channel(self.namespace, worker.beat.worker_id),
+                {"type": "call", "op": op, "args": args, "reply": self._reply, "call_id": call_id},
+            )
+            result = await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+        if "error" in result:
+            raise decode_error(result["error"])
+        return result["value"]
+
+    # Generating
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        return self._generate(request)
+
+    def _route(self, model: str, exclude: set[str]) -> _Worker | None:
+        candidates = [w for w in self._serving(model) if w.beat.worker_id not in exclude]
+        wanted = self._wanted.get(model)
+        if wanted is not None:
+            matching = [w for w in candidates if w.beat.models[model].spec == wanted.to_dict()]
+            candidates = matching or candidates
+        if not candidates:
+            return None
+
+        def load(worker: _Worker) -> tuple[int, float]:
+            sent = sum(
+                1
+                for f in self._flights.values()
+                if f.worker_id == worker.beat.worker_id and f.sent_at_seq >= worker.seen_seq
+            )
+            return worker.beat.models[model].load + sent, random.random()
+
+        return min(candidates, key=load)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        await self._started()
+        tried: set[str] = set()
+        while True:
+            worker = self._route(request.model, tried)
+            if worker is None:
+                raise ModelNotLoadedError(
+                    f"No engine worker serves the model {request.model!r} now."
+                )
+            worker_id = worker.beat.worker_id
+            flight = _Flight(request, worker_id, worker.seen_seq)
+            self._flights[request.request_id] = flight
+            try:
+                await self._layer.send(
+                    worker_channel(self.namespace, worker_id),
+                    {"type": "generate", "request": request.to_dict(), "reply": self._reply},
+                )
+            except Exception as exc:
+                self._flights.pop(request.request_id, None)
+                logger.warning("could not send to engine worker %s: %s", worker_id, exc)
+                tried.add(worker_id)
+                continue
+            try:
+                first = await flight.queue.get()
+            except BaseException:
+                self._flights.pop(request.request_id, None)
+                self._abort_on(worker_id, request)
+                raise
+            if isinstance(first, _Rejected):
+                self._flights.pop(request.request_id, None)
+                if first.error.get("retry"):
+                    tried.add(worker_id)
+                    continue
+                raise decode_error(first.error)
+            break
+        num_open = request.sampling.n
+        try:
+            item = first
+            while True:
+                if isinstance(item, _Rejected):
+                    raise decode_error(item.error)
+                if item.finish_reason is not None:
+                    num_open -= 1
+                yield item
+                if not num_open:
+                    break
+                item = await flight.queue.get()
+        finally:
+            self._flights.pop(request.request_id, None)
+            if num_open:
+                self._abort_on(worker_id, request)
+
+    def _abort_on(self, worker_id: str, request: GenerationRequest) -> None:
+        message = {"type": "abort", "model": request.model, "request_id": request.request_id}
+        self._spawn(self._send_quietly(worker_channel(self.namespace, worker_id), message))
+
+    async def _send_quietly(self, channel: str, message: dict) -> None:
+        try:
+            await self._layer.send(channel, message)
+        except Exception:
+            logger.warning("could not send %s to %s", message.get("type"), channel, exc_info=True)
+
+    async def abort(self, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is not None:
+            self._abort_on(flight.worker_id, flight.request)
+
+    # Stopping
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks, self._reply = [], None
+        await self.store.aclose()
+        self.close()
+
+    def close(self, timeout: float | None = None) -> None:
+        self.renderer.close()
+        self.embedders.stop()
+        self.store.close()
+
+
+def _load_tokenizer(folder: Path, info: ModelInfo):
+    from engine.loader import load_tokenizer
+
+    try:
+        return load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids))[0]
+    except Exception as exc:
+        logger.warning("cannot read the tokenizer at %s here (%s); workers render", folder, exc)
+        return None
+
+
+def _sum_stats(name: str, beats: list[ModelBeat]) -> EngineStats | None:
+    """One model's stats summed over the workers serving it."""
+    stats = [s for b in beats if (s := b.engine_stats()) is not None]
+    if not stats:
+        return None
+    total = {
+        f.name: sum(getattr(s, f.name) for s in stats)
+        for f in dataclasses.fields(EngineStats)
+        if f.name not in ("model", "prefix_cache", "step_time_ms")
+    }
+    cache: dict[str, int] = {}
+    for s in stats:
+        for key, value in s.prefix_cache.items():
+            cache[key] = cache.get(key, 0) + value
+    step = max(s.step_time_ms for s in stats)
+    return EngineStats(model=name, **total, step_time_ms=step, prefix_cache=cache)
