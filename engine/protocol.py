@@ -54,6 +54,13 @@ class ModelNotLoadedError(EngineError):
     code = "model_not_loaded"
 
 
+class ModelUnavailableError(EngineError):
+    """No engine serves the model now (no engine worker has it); the API answers 503 with
+    this message, which names no path or host."""
+
+    code = "model_unavailable"
+
+
 class ModelLoadError(EngineError):
     """The model could not be loaded (the message says why); the API answers 503."""
 

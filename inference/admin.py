@@ -10,6 +10,7 @@ import json
 
 from django.contrib import admin, messages
 from django.core.paginator import Paginator
+from django.db import transaction
 from django.db.models import Q
 from django.template.response import TemplateResponse
 from django.urls import path
@@ -20,7 +21,7 @@ from django.utils.html import format_html
 from accounts import keys
 from accounts.admin import KeySearchMixin, VisibleTeamFilter
 from engine.model_config import folder_context_length
-from inference.engine_access import get_engine_client
+from inference.engine_access import get_engine_client, registry_changed
 from inference.models import (
     ERROR_DEFAULT_MUST_BE_ENABLED,
     DailyUsage,
@@ -39,6 +40,7 @@ STATUS_LABELS = {
     "loading": "loading",
     "failed": "load failed",
     "stopped": "stopped (engine died)",
+    "draining": "draining (its engine workers are shutting down)",
     "not_loaded": "not loaded",
 }
 
@@ -177,9 +179,22 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
             "new one is ready. The engine status column shows how it went.",
         )
 
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        transaction.on_commit(registry_changed)
+
+    def delete_model(self, request, obj):
+        super().delete_model(request, obj)
+        transaction.on_commit(registry_changed)
+
+    def delete_queryset(self, request, queryset):
+        super().delete_queryset(request, queryset)
+        transaction.on_commit(registry_changed)
+
     @admin.action(description="Enable selected models", permissions=["change"])
     def enable(self, request, queryset):
         self.message_user(request, f"Enabled {queryset.update(enabled=True)} model(s).")
+        transaction.on_commit(registry_changed)
 
     @admin.action(description="Disable selected models", permissions=["change"])
     def disable(self, request, queryset):
@@ -187,6 +202,7 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
             self.message_user(request, ERROR_DEFAULT_MUST_BE_ENABLED, messages.WARNING)
         count = queryset.filter(is_default=False).update(enabled=False)
         self.message_user(request, f"Disabled {count} model(s).")
+        transaction.on_commit(registry_changed)
 
     @admin.action(description="Make the selected model the default", permissions=["change"])
     def make_default(self, request, queryset):

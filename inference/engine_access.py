@@ -55,7 +55,11 @@ def enabled_chat_specs() -> list:
 def registry_changed() -> None:
     """After an admin change to the registry: the engines follow it (new and changed models
     load beside what serves, disabled ones stop once their requests finish), without a
-    restart and without making any request wait."""
+    restart and without making any request wait. In-process engines that never started
+    (a management command, a process that served nothing yet) have nothing to follow: they
+    read the registry when they start."""
+    if _client is None and settings.ORCHARD_ENGINE == "local":
+        return
     try:
         specs = enabled_chat_specs()
         get_engine_client().place_models(specs, load_new=settings.ORCHARD_PRELOAD_MODELS)

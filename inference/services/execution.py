@@ -33,6 +33,7 @@ from engine.protocol import (
     GenerationRequest,
     InvalidRequestError,
     ModelNotLoadedError,
+    ModelUnavailableError,
 )
 from inference.engine_access import get_engine_client
 from inference.errors import APIError
@@ -75,6 +76,8 @@ def _start_error(exc: BaseException, name: Callable[[str | None], str | None]) -
         )
     if isinstance(exc, ModelNotLoadedError):
         return APIError(503, ERROR_RELOADING, code=exc.code)
+    if isinstance(exc, ModelUnavailableError):
+        return APIError(503, str(exc), code=exc.code)
     if isinstance(exc, EngineError):
         return APIError(500, f"Engine error: {exc}", code=exc.code)
     return exc

@@ -41,6 +41,7 @@ from engine.protocol import (
     ModelInfo,
     ModelLoadError,
     ModelNotLoadedError,
+    ModelUnavailableError,
     PromptInput,
     RenderedPrompt,
     SamplingParams,
@@ -307,6 +308,9 @@ def output_parsing(
 async def _serving_model(entry: ModelEntry) -> ModelInfo:
     try:
         return await get_engine_client().serving_model(model_spec(entry))
+    except ModelUnavailableError as exc:
+        logger.warning("model %s: %s", entry.name, exc)
+        raise APIError(503, str(exc), code=exc.code) from None
     except Exception as exc:
         if not isinstance(exc, ModelLoadError):
             logger.exception("loading model %s from %s failed", entry.name, entry.path)

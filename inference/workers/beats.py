@@ -36,6 +36,9 @@ class ModelBeat:
     stats: dict[str, Any] | None = None
     version: str = ""
     restarts: int = 0
+    # Open choices per web process (reply channel): a web process subtracts its own from
+    # `load` and adds what it has in flight now, so a burst it sends between beats is counted.
+    by_reply: dict[str, int] = field(default_factory=dict)
 
     @property
     def load(self) -> int:

@@ -1,7 +1,8 @@
 """RemoteEngineClient: the web process's `EngineClient` when engines run in `runengine` workers.
 
 Routing: each request goes to a live, non-draining worker serving its model, the one with the
-least load (its last beat's queue + running, plus what this process sent it since that beat),
+least load (its last beat's queue + running from other web processes, plus what this process
+has in flight there now),
 preferring workers on the registry's current spec. A worker that refuses a request it could not
 run (draining, not serving the model, overloaded) hands it to the next one.
 
@@ -45,6 +46,7 @@ from engine.protocol import (
     ModelNotLoadedError,
     ModelSpec,
     ModelStatus,
+    ModelUnavailableError,
     PromptInput,
     RenderedPrompt,
 )
@@ -90,7 +92,6 @@ class _Order:
 class _Flight:
     request: GenerationRequest
     worker_id: str
-    sent_at_seq: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     received: dict[int, int] = field(default_factory=dict)  # tokens per choice
     finished: set[int] = field(default_factory=set)
@@ -211,6 +212,11 @@ class RemoteEngineClient(EngineClient):
                 "engine worker %s is gone; ending %d request(s)", worker_id, len(flights)
             )
         for flight in flights:
+            if not flight.received and not flight.finished:
+                # Nothing came back yet: the request may never have reached it; another
+                # worker takes it.
+                flight.queue.put_nowait(_Rejected({"retry": True, "message": ERROR_WORKER_GONE}))
+                continue
             for index in range(flight.request.sampling.n):
                 if index not in flight.finished:
                     flight.finished.add(index)
@@ -282,6 +288,7 @@ class RemoteEngineClient(EngineClient):
                 order.gap_since = now if order.waiting else None
 
     def _apply(self, message: dict) -> None:
+        worker_id = message["worker"]
         for kind, ident, payload in message["events"]:
             if kind == "res":
                 entry = self._calls.get(ident)
@@ -289,8 +296,8 @@ class RemoteEngineClient(EngineClient):
                     entry[0].set_result(payload)
                 continue
             flight = self._flights.get(ident)
-            if flight is None:
-                continue  # its caller has gone
+            if flight is None or flight.worker_id != worker_id:
+                continue  # its caller has gone, or it was handed to another worker
             if kind == "rej":
                 flight.queue.put_nowait(_Rejected(payload))
                 continue
@@ -339,9 +346,9 @@ class RemoteEngineClient(EngineClient):
                     await self._nudge()
                     nudged_at = time.monotonic()
                 elif time.monotonic() - nudged_at > max(PLACEMENT_GRACE_S, 3 * self.heartbeat_s):
-                    raise ModelLoadError(
-                        f"No engine worker serves the model {spec.name!r} (start one with "
-                        "`manage.py runengine`, or check its --models)."
+                    raise ModelUnavailableError(
+                        f"No engine worker serves the model '{spec.name}' now; an administrator "
+                        "must start one (`manage.py runengine`)."
                     )
             if time.monotonic() > deadline:
                 raise ModelLoadError(f"The model {spec.name!r} is still loading.")
@@ -367,7 +374,7 @@ class RemoteEngineClient(EngineClient):
         except Exception:
             logger.warning("could not reach the engine workers", exc_info=True)
 
-    def place_models(self, specs: list[ModelSpec]) -> None:
+    def place_models(self, specs: list[ModelSpec], *, load_new: bool = True) -> None:
         """The workers read the registry themselves: tell them to look now."""
         self._group_send_sync({"type": "registry.changed"})
 
@@ -401,8 +408,11 @@ class RemoteEngineClient(EngineClient):
         serving = [b for w, b in beats if b.state == "serving" and not w.draining]
         loading = [b for _, b in beats if b.loading]
         failed = [b for _, b in beats if b.error]
+        draining = [b for w, b in beats if b.state == "serving" and w.draining]
         if serving:
             state = "serving"
+        elif draining:
+            state = "draining"
         elif loading:
             state = "loading"
         elif failed:
@@ -530,12 +540,14 @@ class RemoteEngineClient(EngineClient):
             return None
 
         def load(worker: _Worker) -> tuple[int, float]:
-            sent = sum(
-                1
+            beat = worker.beat.models[model]
+            others = max(0, beat.load - beat.by_reply.get(self._reply, 0))
+            mine = sum(
+                f.request.sampling.n - len(f.finished)
                 for f in self._flights.values()
-                if f.worker_id == worker.beat.worker_id and f.sent_at_seq >= worker.seen_seq
+                if f.worker_id == worker.beat.worker_id and f.request.model == model
             )
-            return worker.beat.models[model].load + sent, random.random()
+            return others + mine, random.random()
 
         return min(candidates, key=load)
 
@@ -545,11 +557,12 @@ class RemoteEngineClient(EngineClient):
         while True:
             worker = self._route(request.model, tried)
             if worker is None:
-                raise ModelNotLoadedError(
-                    f"No engine worker serves the model {request.model!r} now."
+                raise ModelUnavailableError(
+                    f"No engine worker serves the model '{request.model}' now; please retry "
+                    "shortly."
                 )
             worker_id = worker.beat.worker_id
-            flight = _Flight(request, worker_id, worker.seen_seq)
+            flight = _Flight(request, worker_id)
             self._flights[request.request_id] = flight
             try:
                 await self._layer.send(

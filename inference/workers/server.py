@@ -88,8 +88,10 @@ class EngineServer:
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self.sync_s = sync_s
-        self.worker_id = safe_name(worker_id) if worker_id else (
-            f"{safe_name(socket.gethostname())}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.worker_id = (
+            safe_name(worker_id)
+            if worker_id
+            else (f"{safe_name(socket.gethostname())}-{os.getpid()}-{secrets.token_hex(3)}")
         )
         self.channel = worker_channel(namespace, self.worker_id)
         self.renderer = PromptRenderer()
@@ -142,9 +144,12 @@ class EngineServer:
                 task.cancel()
             await self._flushed()
         finally:
-            for task in loops:
-                task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            # On Python 3.11 `asyncio.wait_for` (here and inside redis-py) can swallow a
+            # cancellation that lands as its wait completes: cancel until each loop has ended.
+            while pending := [task for task in loops if not task.done()]:
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=0.5)
             await self._leave()
 
     async def drain(self) -> None:
@@ -387,6 +392,9 @@ class EngineServer:
                         self.worker_id, beat.version, status.serving, engine.info, ttl
                     )
                     self._versions[name] = beat.version
+            for flight in self._flights.values():
+                if flight.model == name:
+                    beat.by_reply[flight.reply] = beat.by_reply.get(flight.reply, 0) + flight.open
             models[name] = beat
         await self.store.refresh_info(self.worker_id, list(self._versions), ttl)
         await self.store.publish(

@@ -21,6 +21,7 @@ from engine.protocol import (
     InvalidRequestError,
     ModelLoadError,
     ModelNotLoadedError,
+    ModelUnavailableError,
 )
 
 _ERROR_KINDS: dict[str, type[EngineError]] = {
@@ -28,6 +29,7 @@ _ERROR_KINDS: dict[str, type[EngineError]] = {
     "overloaded": EngineOverloadedError,
     "not_loaded": ModelNotLoadedError,
     "load_failed": ModelLoadError,
+    "unavailable": ModelUnavailableError,
     "engine": EngineError,
 }
 # Fields a GenerationOutput always carries on the wire; the others only when set.

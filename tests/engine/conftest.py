@@ -35,7 +35,9 @@ def tiny_model(request) -> LoadedModel:
 
 
 async def eventually(
-    predicate: Callable[[], Awaitable[bool] | bool], *, timeout: float = 10
+    predicate: Callable[[], Awaitable[bool] | bool],
+    *,
+    timeout: float = 10,  # noqa: ASYNC109
 ) -> None:
     """Wait until `predicate` holds: engine state lives on another thread, so tests poll it."""
     async with asyncio.timeout(timeout):

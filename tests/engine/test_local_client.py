@@ -213,3 +213,27 @@ async def test_clearing_the_prefix_cache_frees_its_entries(client):
     outputs = await run(client, greedy(2), prompt)
     assert outputs[0].num_cached_tokens == 0
     assert client.clear_prefix_cache("not-loaded") == 0
+
+
+async def test_placing_models_follows_the_registry_without_aborting_anyone(client):
+    running = asyncio.create_task(run(client, greedy(40, ignore_eos=True)))
+    await eventually(lambda: client.worker.get("tiny").stats().num_running == 1)
+    serving = client.worker.get("tiny")
+    # A changed spec loads beside the serving engine, which finishes its request.
+    changed = ModelSpec(name="tiny", path="unused", max_num_seqs=4)
+    client.place_models([changed])
+    await eventually(lambda: client.model_status("tiny").serving == changed)
+    assert client.worker.get("tiny") is not serving
+    outputs = await running
+    assert outputs[-1].finish_reason == "length" and outputs[-1].num_generated_tokens == 40
+    # A name the registry no longer lists stops once its requests have finished.
+    running = asyncio.create_task(run(client, greedy(40, ignore_eos=True)))
+    await eventually(lambda: client.worker.get("tiny").stats().num_running == 1)
+    client.place_models([])
+    assert client.model_status("tiny").state == "not_loaded"
+    assert (await running)[-1].finish_reason == "length"
+    with pytest.raises(ModelNotLoadedError):
+        await run(client, greedy(2))
+    # load_new=False leaves names nothing serves to their first request.
+    client.place_models([changed], load_new=False)
+    assert client.worker.names() == []

@@ -1,5 +1,7 @@
 """The web process's engine: enabled models start loading at start-up, without blocking it."""
 
+import time
+
 import pytest
 
 from engine.local import LocalEngineClient
@@ -37,3 +39,46 @@ def test_preload_survives_a_model_that_cannot_load(fresh_client, tiny_model_path
     engine_access.preload_models()  # logs, does not raise
     with pytest.raises(Exception):  # noqa: B017 (whatever the loader raised)
         fresh_client.worker.load(model_spec(ModelEntry.objects.get(name="broken"))).result(60)
+
+
+@pytest.mark.django_db
+def test_admin_changes_reach_the_engine_without_a_restart(
+    fresh_client, tiny_model_path, django_capture_on_commit_callbacks
+):
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    client = Client()
+
+    entry = model_register(name="live", path=tiny_model_path)
+    ModelEntry.objects.filter(pk=entry.pk).update(is_default=False)  # the default stays enabled
+    fresh_client.worker.load(model_spec(entry)).result(timeout=120)
+    admin = get_user_model().objects.create_superuser("root", "root@example.com", "pw")
+    client.force_login(admin)
+    form = {
+        "name": "live",
+        "path": entry.path,
+        "kind": entry.kind,
+        "engine": entry.engine,
+        "enabled": "on",
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": entry.max_num_batched_tokens,
+        "max_waiting": entry.max_waiting,
+        "default_sampling": "{}",
+    }
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(f"/admin/inference/modelentry/{entry.pk}/change/", form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    # The new batch size loads beside the serving engine: no restart, no request waits.
+    deadline = time.monotonic() + 60
+    while fresh_client.model_status("live").serving.max_num_seqs != 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # Disabling it in the admin retires its engine.
+    with django_capture_on_commit_callbacks(execute=True):
+        client.post(
+            "/admin/inference/modelentry/",
+            {"action": "disable", "_selected_action": [entry.pk], "index": 0},
+        )
+    assert not ModelEntry.objects.get(name="live").enabled
+    assert fresh_client.model_status("live").state == "not_loaded"

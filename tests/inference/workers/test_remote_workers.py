@@ -1,0 +1,230 @@
+"""Engines in `runengine` worker processes, reached over the Channels layer on Redis: streaming,
+least-loaded routing, a worker killed mid-stream, a SIGTERM drain, cancellation across
+processes and the registry followed without a restart (real Redis, the test database: SQLite
+here, PostgreSQL in the PostgreSQL pass)."""
+
+import asyncio
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from inference.models import ModelEntry, UsageRecord
+from tests.inference.conftest import TINY
+from tests.inference.workers.conftest import nudge
+
+pytestmark = [pytest.mark.redis, pytest.mark.django_db(transaction=True)]
+MESSAGES = [{"role": "user", "content": "Tell me a story"}]
+
+
+@pytest.fixture
+def key(make_key, served):
+    return make_key()
+
+
+def client_for(layout, key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{layout.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def finished_rows(count: int, timeout: float = 20) -> list[UsageRecord]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = list(UsageRecord.objects.exclude(status=UsageRecord.Status.IN_PROGRESS))
+        if len(rows) >= count or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
+def test_streaming_through_a_remote_worker_matches_the_in_process_engine(
+    layout, key, live_server_url
+):
+    body = dict(
+        model=TINY, messages=MESSAGES, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
+    stream = client_for(layout, key).chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 5
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 40
+
+    # The same greedy tokens as the engine inside a web process.
+    local = openai.OpenAI(base_url=f"{live_server_url}/v1", api_key=key, max_retries=0)
+    reply = local.chat.completions.create(**body)
+    assert reply.choices[0].message.content == text
+
+    rows = finished_rows(2)
+    assert {r.status for r in rows} == {UsageRecord.Status.COMPLETED}
+    assert all(r.completion_tokens == 40 and r.prompt_tokens > 0 for r in rows)
+
+
+def test_requests_go_to_the_least_loaded_worker(layout, key):
+    before = {w: layout.stats(w, TINY).get("num_generated_tokens", 0) for w in ("wa", "wb")}
+
+    async def burst():
+        async with openai.AsyncOpenAI(
+            base_url=f"{layout.url}/v1", api_key=key, max_retries=0, timeout=120
+        ) as client:
+            return await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model=TINY,
+                        messages=MESSAGES,
+                        max_tokens=150,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for _ in range(8)
+                )
+            )
+
+    replies = asyncio.run(burst())
+    assert all(r.usage.completion_tokens == 150 for r in replies)
+
+    def counted():
+        after = {w: layout.stats(w, TINY).get("num_generated_tokens", 0) for w in ("wa", "wb")}
+        return {w: (after[w] - before[w]) / 150 for w in after}
+
+    layout.wait_for(lambda: sum(counted().values()) == 8, "both workers' beats to count")
+    # Each request went where the fewest were: an even split of a burst.
+    assert counted() == {"wa": 4, "wb": 4}
+
+
+def test_a_worker_killed_mid_stream_fails_its_request_and_the_next_goes_elsewhere(layout, key):
+    client = client_for(layout, key)
+    stream = client.chat.completions.create(
+        model=TINY,
+        messages=MESSAGES,
+        max_tokens=4000,
+        extra_body={"ignore_eos": True},
+        stream=True,
+    )
+    seen = 0
+    started = None
+    with pytest.raises(openai.APIError) as failure:
+        for _chunk in stream:
+            seen += 1
+            if seen == 3:
+                layout.wait_for(
+                    lambda: [w for w in ("wa", "wb") if layout.stats(w, TINY).get("num_running")],
+                    "the stream's worker to report it",
+                )
+                busy = [w for w in ("wa", "wb") if layout.stats(w, TINY).get("num_running")]
+                assert len(busy) == 1
+                victim = busy[0]
+                layout.workers[victim].send_signal(signal.SIGKILL)
+                started = time.monotonic()
+    assert started is not None and time.monotonic() - started < 10
+    assert "engine failed" in str(failure.value)
+
+    rows = finished_rows(1)
+    assert [r.status for r in rows] == [UsageRecord.Status.FAILED]
+    assert 0 < rows[0].completion_tokens < 4000
+
+    # The dead worker has left routing: the next request runs on the other one at once.
+    reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=5)
+    assert reply.usage.completion_tokens == 5
+    layout.wait_for(lambda: victim not in layout.beats(), "the dead worker's beat to expire", 10)
+    layout.start_worker(victim)
+
+
+def test_sigterm_drains_a_worker(layout, key):
+    client = client_for(layout, key)
+    stream = client.chat.completions.create(
+        model=TINY,
+        messages=MESSAGES,
+        max_tokens=600,
+        extra_body={"ignore_eos": True},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            layout.wait_for(
+                lambda: [w for w in ("wa", "wb") if layout.stats(w, TINY).get("num_running")],
+                "the stream's worker to report it",
+            )
+            draining = next(w for w in ("wa", "wb") if layout.stats(w, TINY).get("num_running"))
+            layout.workers[draining].send_signal(signal.SIGTERM)
+            layout.wait_for(
+                lambda w=draining: layout.beats()[w].draining, "the worker to say it drains"
+            )
+            # New requests go to the other worker while this one finishes its stream.
+            reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=3)
+            assert reply.usage.completion_tokens == 3
+            assert layout.workers[draining].poll() is None
+    # The stream ran to its end, untouched by the drain.
+    assert chunks[-1].usage.completion_tokens == 600
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert layout.workers[draining].wait(timeout=30) == 0
+    assert "stopped" in layout.log(draining)
+    layout.wait_for(lambda: draining not in layout.beats(), "the beat to be removed", 5)
+    rows = finished_rows(2)
+    assert {r.status for r in rows} == {UsageRecord.Status.COMPLETED}
+    layout.start_worker(draining)
+
+
+def test_a_client_leaving_aborts_the_request_in_the_worker(layout, key):
+    async def leave_early():
+        async with httpx.AsyncClient(base_url=layout.url, timeout=60) as http:
+            body = {
+                "model": TINY,
+                "messages": MESSAGES,
+                "max_tokens": 4000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            headers = {"Authorization": f"Bearer {key}"}
+            async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+                lines = 0
+                async for _ in r.aiter_lines():
+                    lines += 1
+                    if lines >= 6:
+                        break
+
+    asyncio.run(leave_early())
+    left = time.monotonic()
+    layout.wait_for(
+        lambda: not any(layout.stats(w, TINY).get("num_running") for w in ("wa", "wb")),
+        "the workers to stop generating",
+        10,
+    )
+    assert time.monotonic() - left < 3
+    rows = finished_rows(1)
+    assert [r.status for r in rows] == [UsageRecord.Status.CANCELLED]
+    assert rows[0].completion_tokens < 4000
+
+
+def test_workers_follow_the_registry(layout, key):
+    client = client_for(layout, key)
+    # Disabled: both workers retire the model (its requests would finish first)...
+    ModelEntry.objects.filter(name=TINY).update(enabled=False)
+    nudge(layout)
+    layout.wait_for(lambda: layout.serving(TINY) == [], "the workers to retire it")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
+    # ...enabled with another batch size: loaded again with the new spec, no restart.
+    ModelEntry.objects.filter(name=TINY).update(enabled=True, max_num_seqs=4)
+    nudge(layout)
+    layout.wait_for(lambda: layout.serving(TINY) == ["wa", "wb"], "the workers to serve it")
+    specs = {b.models[TINY].spec["max_num_seqs"] for b in layout.beats().values()}
+    assert specs == {4}
+    reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_a_worker_serves_only_the_models_it_is_given(layout, served):
+    layout.start_worker("wc", "--models", "something-else")
+    try:
+        nudge(layout)
+        time.sleep(1)
+        beat = layout.beats()["wc"]
+        assert beat.model_filter == ["something-else"]
+        assert TINY not in beat.models and layout.serving(TINY) == ["wa", "wb"]
+    finally:
+        layout.workers.pop("wc").send_signal(signal.SIGTERM)
