@@ -12,6 +12,9 @@ TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/orchard
 GATEWAY_TESTS := tests/accounts tests/inference/services/test_usage.py \
   tests/inference/services/test_registry.py tests/inference/api/test_limits.py \
   tests/inference/api/test_limits_redis.py
+# The scaled-out layout (runengine workers, a remote web process, Redis) runs on PostgreSQL,
+# the database it is deployed on; without a PostgreSQL pass it runs on SQLite with the rest.
+WORKER_TESTS := tests/inference/workers
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.orchard-installed
@@ -30,7 +33,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test lint bench-engine bench-api clean
+.PHONY: setup serve test lint bench-engine bench-api bench-workers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,10 +57,14 @@ test: setup
 	@sh scripts/fetch_test_tokenizers.sh
 	@sh scripts/ensure_chromium.sh $(PY)
 	@sh scripts/ensure_node_clients.sh
+ifneq ($(TEST_POSTGRES_URL),)
+	$(PY) -m pytest $(PYTEST_ARGS) --ignore=$(WORKER_TESTS)
+else
 	$(PY) -m pytest $(PYTEST_ARGS)
+endif
 	$(PY) -m ruff check .
 ifneq ($(TEST_POSTGRES_URL),)
-	DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest $(PYTEST_ARGS) $(GATEWAY_TESTS)
+	DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest $(PYTEST_ARGS) $(GATEWAY_TESTS) $(WORKER_TESTS)
 endif
 
 lint: setup
@@ -68,6 +75,9 @@ bench-engine: setup
 
 bench-api: setup
 	$(PY) bench/api.py
+
+bench-workers: setup
+	$(PY) bench/workers.py
 
 clean:
 	rm -rf $(VENV)

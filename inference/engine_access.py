@@ -25,9 +25,19 @@ def get_engine_client() -> EngineClient:
         else:
             raise ImproperlyConfigured(f"Unknown ORCHARD_ENGINE {settings.ORCHARD_ENGINE!r}.")
         # Stop with the web process: abort what is in flight and join the engine threads, so no
-        # thread is killed in the middle of an MLX call.
+        # thread is killed in the middle of an MLX call; then finish the usage rows of requests
+        # the server's shutdown cut off (atexit runs the last registered first).
+        atexit.register(_finish_open_rows)
         atexit.register(_client.close, 10)
     return _client
+
+
+def _finish_open_rows() -> None:
+    from inference.services.execution import finish_open_executions
+
+    count = finish_open_executions()
+    if count:
+        logger.info("finished %d usage row(s) of requests cut off by the shutdown", count)
 
 
 def remote_client() -> EngineClient:

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +54,34 @@ ERROR_RELOADING = "The model is being reloaded; please retry shortly."
 USAGE_WRITE_WAIT_S = 2.0
 USAGE_RETRY_DELAYS_S = (0.5, 1, 2, 5, 10, 30)
 USAGE_RETRY_FOR_S = limits.PARALLEL_LEASE_SECONDS
+ERROR_SERVER_SHUTDOWN = "server_shutdown"
+
+# Executions whose usage row is open, for `finish_open_executions` when the process exits.
+_open_executions: weakref.WeakValueDictionary[int, Execution] = weakref.WeakValueDictionary()
+
+
+def finish_open_executions() -> int:
+    """At process exit (after the server has stopped its event loop): finish every usage row
+    still open as failed (`server_shutdown`) with the tokens counted so far, synchronously.
+    Their clients' connections were closed by the server's shutdown; no row stays open for the
+    next start's sweep. Returns how many rows this finished."""
+    finished = 0
+    for execution in list(_open_executions.values()):
+        if execution._usage_id is None:
+            continue
+        try:
+            finished += usage_finish(
+                record_id=execution._usage_id,
+                status=UsageRecord.Status.FAILED,
+                prompt_tokens=execution.num_prompt_tokens,
+                cached_tokens=execution.num_cached_tokens,
+                completion_tokens=execution.num_completion_tokens,
+                time_to_first_token_ms=execution._first_token_ms,
+                error_code=ERROR_SERVER_SHUTDOWN,
+            )
+        except Exception:
+            logger.exception("usage row of %s left open at exit", execution.request_id)
+    return finished
 
 
 async def _outlast_cancellation(future: asyncio.Future):
@@ -186,6 +215,7 @@ class Execution:
             await asyncio.shield(self._release(used_tokens=0))
             raise
         self._usage_id = record.pk
+        _open_executions[id(self)] = self
         # If the request task ends by any route that skips outputs() (a cancellation between
         # returning the response and reading its body, say), finish() still runs.
         task = asyncio.current_task()
@@ -408,6 +438,7 @@ class Execution:
                 )
             )
         await self._release(used_tokens=self.num_prompt_tokens + self.num_completion_tokens)
+        _open_executions.pop(id(self), None)
 
     async def _finish_usage(self, write: Callable[[], bool]) -> None:
         """Finish the row (writing it twice is safe: a finished row is left alone)."""

@@ -614,6 +614,17 @@ class RemoteEngineClient(EngineClient):
         except Exception:
             logger.warning("could not send %s to %s", message.get("type"), channel, exc_info=True)
 
+    async def _abort_all(self, flights: list[_Flight]) -> None:
+        for flight in flights:
+            await self._send_quietly(
+                worker_channel(self.namespace, flight.worker_id),
+                {
+                    "type": "abort",
+                    "model": flight.request.model,
+                    "request_id": flight.request.request_id,
+                },
+            )
+
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
         if flight is not None:
@@ -629,6 +640,15 @@ class RemoteEngineClient(EngineClient):
         self.close()
 
     def close(self, timeout: float | None = None) -> None:
+        """For an atexit hook (the event loop has stopped): abort on their workers the requests
+        still in flight, so nothing generates for a web process that is gone."""
+        flights = list(self._flights.values())
+        self._flights.clear()
+        if flights and self._layer is not None:
+            try:
+                asyncio.run(asyncio.wait_for(self._abort_all(flights), timeout or 5))
+            except Exception:
+                logger.warning("could not abort %d request(s) on their workers", len(flights))
         self.renderer.close()
         self.embedders.stop()
         self.store.close()

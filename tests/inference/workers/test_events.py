@@ -1,0 +1,107 @@
+"""The web side of the worker protocol, without processes: events put back in their order, a
+gap skipped, a reply that lost events ending in an error, a dead worker's requests ended (or
+handed on when nothing came back yet), events from a worker a request left ignored."""
+
+import asyncio
+
+from engine.protocol import GenerationOutput, GenerationRequest, SamplingParams
+from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
+from inference.workers.client import GAP_TIMEOUT_S, RemoteEngineClient, _Flight, _Worker
+from inference.workers.wire import decode_error, encode_error, encode_output
+
+
+def make_client() -> RemoteEngineClient:
+    return RemoteEngineClient(
+        store=BeatStore("redis://127.0.0.1:6379/13", "unit"),
+        namespace="unit",
+        layer_factory=lambda: None,
+    )
+
+
+def out(index: int, text: str, tokens: tuple[int, ...], **kwargs) -> list:
+    return ["out", "r1", encode_output(GenerationOutput(index, text, tokens, **kwargs))]
+
+
+def message(seq: int, *events, worker: str = "w1") -> dict:
+    return {"type": "events", "worker": worker, "seq": seq, "events": list(events)}
+
+
+def flight(client: RemoteEngineClient, n: int = 1, worker: str = "w1") -> _Flight:
+    request = GenerationRequest("r1", "m", (1, 2, 3), SamplingParams(max_tokens=5, n=n))
+    client._flights["r1"] = f = _Flight(request, worker)
+    return f
+
+
+def drained(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+async def test_events_are_put_back_in_the_order_the_worker_sent_them():
+    client = make_client()
+    f = flight(client)
+    client._arrived(message(1, out(0, "b", (2,))))
+    assert f.queue.empty()  # 0 has not come yet
+    client._arrived(message(0, out(0, "a", (1,))))
+    client._arrived(message(2, out(0, "c", (3,), finish_reason="length", num_generated_tokens=3)))
+    items = drained(f.queue)
+    assert [i.text for i in items] == ["a", "b", "c"]
+    assert items[-1].finish_reason == "length"
+
+
+async def test_a_message_that_never_comes_is_skipped_and_the_reply_ends_in_an_error(monkeypatch):
+    client = make_client()
+    f = flight(client)
+    client._arrived(message(0, out(0, "a", (1,))))
+    client._arrived(message(2, out(0, "c", (3,), finish_reason="length", num_generated_tokens=3)))
+    assert [i.text for i in drained(f.queue)] == ["a"]
+    order = client._orders["w1"]
+    order.gap_since -= GAP_TIMEOUT_S + 0.1
+    client._close_gaps()
+    (last,) = drained(f.queue)
+    # Two tokens arrived of three generated: not passed off as a complete reply.
+    assert last.finish_reason == "error" and "lost" in last.error
+    assert last.num_generated_tokens == 3
+    # The late message, should it still come, is dropped.
+    client._arrived(message(1, out(0, "b", (2,))))
+    assert f.queue.empty()
+
+
+async def test_a_dead_workers_requests_end_with_an_error_or_go_elsewhere():
+    client = make_client()
+    beat = WorkerBeat("w1", "host", 1, 0.0, at=0.0, seq=1, models={"m": ModelBeat("m", "serving")})
+    client._workers["w1"] = _Worker(beat, 1, 0.0, confirmed=True)
+    started = flight(client, n=2)
+    client._arrived(message(0, out(0, "a", (1,))))
+    client._arrived(message(1, out(1, "x", (9,), finish_reason="stop", num_generated_tokens=1)))
+    drained(started.queue)
+    client._update([])  # its beat is gone
+    (ended,) = drained(started.queue)  # choice 1 had finished; choice 0 ends with an error
+    assert (ended.index, ended.finish_reason) == (0, "error")
+    assert "stopped responding" in ended.error
+    assert "w1" not in client._workers
+
+    client._workers["w1"] = _Worker(beat, 1, 0.0, confirmed=True)
+    waiting = flight(client)  # nothing came back for it yet: another worker may take it
+    client._update([])
+    (handed_on,) = drained(waiting.queue)
+    assert handed_on.error["retry"] is True
+
+
+async def test_events_from_a_worker_the_request_left_are_ignored():
+    client = make_client()
+    f = flight(client, worker="w2")
+    client._arrived(message(0, out(0, "stale", (1,)), worker="w1"))
+    assert f.queue.empty()
+
+
+def test_errors_cross_with_their_kind_parameter_and_code():
+    from engine.protocol import EngineOverloadedError, InvalidRequestError
+
+    error = decode_error(encode_error(InvalidRequestError("too long", param="messages", code="c")))
+    assert isinstance(error, InvalidRequestError)
+    assert (str(error), error.param, error.code) == ("too long", "messages", "c")
+    data = encode_error(EngineOverloadedError("busy"), retry=True)
+    assert isinstance(decode_error(data), EngineOverloadedError) and data["retry"]
