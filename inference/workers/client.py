@@ -2,7 +2,8 @@
 
 Routing: each request goes to a live, non-draining worker serving its model, the one with the
 least load (its last beat's queue + running from other web processes, plus what this process
-has in flight there now),
+has in flight there now), unless its prompt continues one that ran on another worker that is
+not much busier (prefix affinity: that worker's prefix cache holds the conversation so far);
 preferring workers on the registry's current spec. A worker that refuses a request it could not
 run (draining, not serving the model, overloaded) hands it to the next one.
 
@@ -63,6 +64,12 @@ from inference.workers.wire import (
 logger = logging.getLogger(__name__)
 
 GAP_TIMEOUT_S = 1.0
+# Prefix affinity: prompts are matched on their first k tokens for these k (the longest first),
+# remembered for this many prefixes; a remembered worker is kept while it has at most
+# AFFINITY_SLACK more requests than the least loaded.
+AFFINITY_LENGTHS = (4096, 2048, 1024, 512, 256, 128, 64)
+AFFINITY_ENTRIES = 20_000
+AFFINITY_SLACK = 2
 CALL_TIMEOUT_S = 30.0
 # After asking the workers to look at the registry, how long a model nobody serves may take to
 # show up as loading somewhere before the request is refused.
@@ -138,6 +145,8 @@ class RemoteEngineClient(EngineClient):
         self._infos: dict[tuple[str, str], tuple[str, ModelInfo]] = {}
         self._tokenizers: dict[tuple[str, int], Any] = {}
         self._wanted: dict[str, ModelSpec] = {}
+        # Prompt prefixes (model, hash of the first k tokens) -> the worker that last ran one.
+        self._affinity: dict[tuple[str, int], str] = {}
 
     # Starting
     async def _started(self) -> None:
@@ -530,7 +539,7 @@ class RemoteEngineClient(EngineClient):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         return self._generate(request)
 
-    def _route(self, model: str, exclude: set[str]) -> _Worker | None:
+    def _route(self, model: str, exclude: set[str], prompt: tuple[int, ...] = ()) -> _Worker | None:
         candidates = [w for w in self._serving(model) if w.beat.worker_id not in exclude]
         wanted = self._wanted.get(model)
         if wanted is not None:
@@ -549,13 +558,32 @@ class RemoteEngineClient(EngineClient):
             )
             return others + mine, random.random()
 
-        return min(candidates, key=load)
+        loads = {w.beat.worker_id: load(w) for w in candidates}
+        best = min(candidates, key=lambda w: loads[w.beat.worker_id])
+        # A prompt that continues one this process sent goes where that one ran (its prefix
+        # cache holds it), unless that worker is busier than the least loaded by more than
+        # AFFINITY_SLACK requests.
+        by_id = {w.beat.worker_id: w for w in candidates}
+        for prefix in _prefix_keys(model, prompt):
+            worker_id = self._affinity.get(prefix)
+            if worker_id in by_id:
+                if loads[worker_id][0] <= loads[best.beat.worker_id][0] + AFFINITY_SLACK:
+                    return by_id[worker_id]
+                break
+        return best
+
+    def _remember(self, model: str, prompt: tuple[int, ...], worker_id: str) -> None:
+        for prefix in _prefix_keys(model, prompt):
+            self._affinity.pop(prefix, None)
+            self._affinity[prefix] = worker_id
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.pop(next(iter(self._affinity)))
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         await self._started()
         tried: set[str] = set()
         while True:
-            worker = self._route(request.model, tried)
+            worker = self._route(request.model, tried, request.prompt_token_ids)
             if worker is None:
                 raise ModelUnavailableError(
                     f"No engine worker serves the model '{request.model}' now; please retry "
@@ -586,6 +614,7 @@ class RemoteEngineClient(EngineClient):
                     tried.add(worker_id)
                     continue
                 raise decode_error(first.error)
+            self._remember(request.model, request.prompt_token_ids, worker_id)
             break
         num_open = request.sampling.n
         try:
@@ -652,6 +681,13 @@ class RemoteEngineClient(EngineClient):
         self.renderer.close()
         self.embedders.stop()
         self.store.close()
+
+
+def _prefix_keys(model: str, prompt: tuple[int, ...]) -> list[tuple[str, int]]:
+    """Keys of the prompt's prefixes at AFFINITY_LENGTHS (whole prefixes only), longest first;
+    the last token is left out, as a continuation's prompt has it where the reply began."""
+    body = prompt[:-1]
+    return [(model, hash(body[:k])) for k in AFFINITY_LENGTHS if len(body) >= k]
 
 
 def _load_tokenizer(folder: Path, info: ModelInfo):

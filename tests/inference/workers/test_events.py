@@ -105,3 +105,25 @@ def test_errors_cross_with_their_kind_parameter_and_code():
     assert (str(error), error.param, error.code) == ("too long", "messages", "c")
     data = encode_error(EngineOverloadedError("busy"), retry=True)
     assert isinstance(decode_error(data), EngineOverloadedError) and data["retry"]
+
+
+def test_a_continued_prompt_goes_back_to_its_worker_unless_that_one_is_much_busier():
+    client = make_client()
+
+    def worker(worker_id: str, running: int) -> _Worker:
+        stats = {"num_waiting": 0, "num_running": running}
+        models = {"m": ModelBeat("m", "serving", stats=stats)}
+        return _Worker(WorkerBeat(worker_id, "h", 1, 0.0, seq=1, models=models), 1, 0.0, True)
+
+    client._workers = {"w1": worker("w1", 0), "w2": worker("w2", 1)}
+    conversation = tuple(range(300))
+    assert client._route("m", set(), conversation).beat.worker_id == "w1"  # least loaded
+    client._remember("m", conversation, "w2")
+    # The next turn starts with the whole previous prompt: its prefix cache is on w2.
+    continued = conversation + tuple(range(1000, 1100))
+    assert client._route("m", set(), continued).beat.worker_id == "w2"
+    # Unrelated prompts still go to the least loaded worker...
+    assert client._route("m", set(), tuple(range(5000, 5300))).beat.worker_id == "w1"
+    # ...and so does the continuation once w2 is busier by more than the slack.
+    client._workers["w2"] = worker("w2", 4)
+    assert client._route("m", set(), continued).beat.worker_id == "w1"
