@@ -185,7 +185,16 @@ class EngineServer:
     # Receiving
     async def _receive_loop(self) -> None:
         while True:
-            message = await self.layer.receive(self.channel)
+            try:
+                message = await self.layer.receive(self.channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Redis away: keep trying (the beat stops meanwhile, so web processes route
+                # elsewhere), and take requests again once it is back.
+                logger.warning("receiving on %s failed", self.channel, exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
             try:
                 self._handle(message)
             except Exception:
