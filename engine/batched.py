@@ -9,7 +9,7 @@ import time
 
 import mlx.core as mx
 
-from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe, end_queued
+from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
 from engine.protocol import GenerationRequest, ModelInfo, RequestStatus
 from engine.request import Emit
 from engine.runner import BatchRunner
@@ -50,8 +50,10 @@ class BatchedEngine(EngineLoop):
     def run(self) -> None:
         while True:
             block = not (self.scheduler.has_work() or self._draining)
-            for kind, payload in self._take(block=block):
+            commands = self._take(block=block)
+            for index, (kind, payload) in enumerate(commands):
                 if kind is STOP:
+                    self.leftover = commands[index + 1 :]  # ended by close()
                     return
                 if kind is DRAIN:
                     self._draining = True
@@ -137,9 +139,7 @@ class BatchedEngine(EngineLoop):
             self.finish(request, status, error)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
-        for kind, payload in self._take(block=False):
-            if kind == "add":
-                end_queued(payload, status, error)
+        self.end_inbox(status, error)
         self._publish(0, 0)
         self.runner.reset()
 

@@ -79,6 +79,7 @@ class EngineLoop:
         self._num_running = 0
         self._closing = False  # set by drain or the loop ending: submit refuses from then on
         self._draining = False  # engine thread only
+        self.leftover: list = []  # commands taken with a STOP, after it (engine thread only)
         self._meter = _Meter()
         # Set on the engine thread by `setup_caches`.
         self.layout: CacheLayout | None = None
@@ -119,6 +120,8 @@ class EngineLoop:
     def stop(self, timeout: float | None = None) -> None:
         """Abort everything in flight and join the thread."""
         if self._thread.is_alive():
+            with self._lock:
+                self._closing = True  # a request submitted from now on is refused, not lost
             self._inbox.put((STOP, None))
             self._thread.join(timeout)
         if not self._thread.is_alive():
@@ -259,6 +262,7 @@ class EngineLoop:
             try:
                 self.close(status, error)
             finally:
+                self._release()
                 self.ended.set_result(error)
 
     def _take(self, block: bool) -> list:
@@ -356,6 +360,31 @@ class EngineLoop:
 
     def run(self) -> None:
         raise NotImplementedError
+
+    def end_inbox(self, status: RequestStatus, error: str | None) -> None:
+        """On the engine thread, once the loop has ended: end every request still queued in
+        the inbox (or taken with the STOP) and answer pending cache clears."""
+        commands, self.leftover = [*self.leftover, *self._take(block=False)], []
+        for kind, payload in commands:
+            if kind == "add":
+                end_queued(payload, status, error)
+            elif kind is CLEAR:
+                payload.set_result(0)
+
+    def _release(self) -> None:
+        """Drop the model's arrays once the loop has ended: a retired, stopped or dead engine
+        keeps its info and tokenizer (for callers holding it), not its weights and caches,
+        so a replacement or a restart does not need room for two copies."""
+        if self.loaded is not None:
+            self.loaded = dataclasses.replace(self.loaded, model=None)
+        self.prefix_cache = None
+        runner = getattr(self, "runner", None)
+        if runner is not None:  # emptied by close(); its model and cache go
+            runner.model = runner.prefix_cache = None
+        try:
+            mx.clear_cache()
+        except Exception:
+            logger.warning("could not return %s's memory", self.spec.name, exc_info=True)
 
     def close(self, status: RequestStatus, error: str | None) -> None:
         """End what is left when the loop ends (aborted on stop, "error" if the loop died)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe, end_queued
+from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
 from engine.protocol import RequestStatus
 from engine.request import Request
 from engine.runner import SequenceRunner
@@ -94,7 +94,5 @@ class SimpleEngine(EngineLoop):
     def close(self, status: RequestStatus, error: str | None) -> None:
         while self._pending:
             self.finish(self._pending.popleft(), status, error)
-        for kind, payload in self._take(block=False):
-            if kind == "add":
-                end_queued(payload, status, error)
+        self.end_inbox(status, error)
         self._publish(0, 0)

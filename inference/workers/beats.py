@@ -64,7 +64,11 @@ class WorkerBeat:
     started_at: float  # Unix time, for people
     at: float = 0.0  # Unix time of this beat (a hint: liveness goes by `seq` moving)
     seq: int = 0
+    run_id: str = ""  # this process's run (a restart under the same worker id is another)
     draining: bool = False
+    # Request ids this worker holds, per web process (reply channel): a web process ends the
+    # ones it waits for that the worker no longer has (their last events were lost).
+    open_requests: dict[str, list[str]] = field(default_factory=dict)
     model_filter: list[str] | None = None  # --models, None: every enabled model
     models: dict[str, ModelBeat] = field(default_factory=dict)
 

@@ -64,6 +64,12 @@ from inference.workers.wire import (
 logger = logging.getLogger(__name__)
 
 GAP_TIMEOUT_S = 1.0
+# A request its worker's beats stop listing is given up this long after (its last events may
+# still be on the way); a beat is taken to know of a request sent SEND_LATENCY_S before it.
+SETTLE_GRACE_S = 2.0
+SEND_LATENCY_S = 0.5
+# A web process asks the workers to re-read the registry at most this often per model.
+NUDGE_EVERY_S = 5.0
 # Prefix affinity: prompts are matched on their first k tokens for these k (the longest first),
 # remembered for this many prefixes; a remembered worker is kept while it has at most
 # AFFINITY_SLACK more requests than the least loaded.
@@ -99,6 +105,9 @@ class _Order:
 class _Flight:
     request: GenerationRequest
     worker_id: str
+    run_id: str = ""
+    sent_at: float = field(default_factory=time.monotonic)
+    missing_since: float | None = None  # its worker's beats stopped listing it
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     received: dict[int, int] = field(default_factory=dict)  # tokens per choice
     finished: set[int] = field(default_factory=set)
@@ -145,6 +154,7 @@ class RemoteEngineClient(EngineClient):
         self._infos: dict[tuple[str, str], tuple[str, ModelInfo]] = {}
         self._tokenizers: dict[tuple[str, int], Any] = {}
         self._wanted: dict[str, ModelSpec] = {}
+        self._nudged: dict[str, float] = {}
         # Prompt prefixes (model, hash of the first k tokens) -> the worker that last ran one.
         self._affinity: dict[tuple[str, int], str] = {}
 
@@ -163,12 +173,12 @@ class RemoteEngineClient(EngineClient):
             self._layer = self._layer_factory()
             reply = await self._layer.new_channel(reply_prefix(self.namespace))
             self._workers, self._orders = {}, {}
+            await self._refresh()  # raises while Redis is away: nothing started, nothing leaks
+            self._reply = reply
             self._tasks = [
                 asyncio.create_task(self._receive_loop(reply), name="orchard-remote-receive"),
                 asyncio.create_task(self._refresh_loop(), name="orchard-remote-refresh"),
             ]
-            await self._refresh()
-            self._reply = reply
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -194,6 +204,9 @@ class RemoteEngineClient(EngineClient):
         for beat in beats:
             seen.add(beat.worker_id)
             known = self._workers.get(beat.worker_id)
+            if known is not None and known.beat.run_id != beat.run_id:
+                self._lost(beat.worker_id)  # restarted under the same id: its requests died
+                known = None
             if known is None:
                 fresh = abs(wall - beat.at) < self.timeout_s
                 self._workers[beat.worker_id] = _Worker(beat, beat.seq, now, confirmed=fresh)
@@ -207,12 +220,44 @@ class RemoteEngineClient(EngineClient):
         for worker_id, known in list(self._workers.items()):
             if worker_id not in seen or now - known.seen_at > self.timeout_s:
                 self._lost(worker_id)
+        self._settle(now)
         self._snapshot = (now, [w.beat for w in self._workers.values() if w.confirmed])
+
+    def _settle(self, now: float) -> None:
+        """End the requests whose worker no longer lists them in its beats although their
+        last events never came (lost on the way, a Redis outage say): after SETTLE_GRACE_S
+        more, those that got nothing yet go to another worker, the others end with an error.
+        A beat seen well after a request was sent lists it until its last events are out."""
+        for flight in list(self._flights.values()):
+            known = self._workers.get(flight.worker_id)
+            if known is None or known.seen_at - self.refresh_s - SEND_LATENCY_S < flight.sent_at:
+                continue
+            listed = flight.request.request_id in known.beat.open_requests.get(self._reply, ())
+            if listed or len(flight.finished) == flight.request.sampling.n:
+                flight.missing_since = None
+            elif flight.missing_since is None:
+                flight.missing_since = now
+            elif now - flight.missing_since > SETTLE_GRACE_S:
+                self._give_up(flight, ERROR_LOST)
+
+    def _give_up(self, flight: _Flight, error: str) -> None:
+        """End what is left of a request its worker will not finish."""
+        if not flight.received and not flight.finished:
+            # Nothing came back yet: the request may never have reached it; another worker
+            # takes it.
+            flight.finished.update(range(flight.request.sampling.n))
+            flight.queue.put_nowait(_Rejected({"retry": True, "message": error}))
+            return
+        for index in range(flight.request.sampling.n):
+            if index not in flight.finished:
+                flight.finished.add(index)
+                flight.queue.put_nowait(self._error_output(flight, index, error))
 
     def _lost(self, worker_id: str) -> None:
         """A worker stopped beating: end what it held with an error; it leaves routing."""
         known = self._workers.pop(worker_id, None)
-        self._orders.pop(worker_id, None)
+        for key in [k for k in self._orders if k[0] == worker_id]:
+            del self._orders[key]
         for key in [k for k in self._infos if k[0] == worker_id]:
             del self._infos[key]
         flights = [f for f in self._flights.values() if f.worker_id == worker_id]
@@ -221,15 +266,7 @@ class RemoteEngineClient(EngineClient):
                 "engine worker %s is gone; ending %d request(s)", worker_id, len(flights)
             )
         for flight in flights:
-            if not flight.received and not flight.finished:
-                # Nothing came back yet: the request may never have reached it; another
-                # worker takes it.
-                flight.queue.put_nowait(_Rejected({"retry": True, "message": ERROR_WORKER_GONE}))
-                continue
-            for index in range(flight.request.sampling.n):
-                if index not in flight.finished:
-                    flight.finished.add(index)
-                    flight.queue.put_nowait(self._error_output(flight, index, ERROR_WORKER_GONE))
+            self._give_up(flight, ERROR_WORKER_GONE)
         for future, target in list(self._calls.values()):
             if target == worker_id and not future.done():
                 future.set_exception(ModelNotLoadedError(ERROR_WORKER_GONE))
@@ -274,7 +311,7 @@ class RemoteEngineClient(EngineClient):
                 logger.exception("bad engine message: %.200r", message)
 
     def _arrived(self, message: dict) -> None:
-        order = self._orders.setdefault(message["worker"], _Order())
+        order = self._orders.setdefault((message["worker"], message.get("run", "")), _Order())
         seq = message["seq"]
         if seq < order.next:
             logger.warning("dropping a late message %d from %s", seq, message["worker"])
@@ -297,7 +334,7 @@ class RemoteEngineClient(EngineClient):
                 order.gap_since = now if order.waiting else None
 
     def _apply(self, message: dict) -> None:
-        worker_id = message["worker"]
+        worker_id, run_id = message["worker"], message.get("run", "")
         for kind, ident, payload in message["events"]:
             if kind == "res":
                 entry = self._calls.get(ident)
@@ -305,7 +342,7 @@ class RemoteEngineClient(EngineClient):
                     entry[0].set_result(payload)
                 continue
             flight = self._flights.get(ident)
-            if flight is None or flight.worker_id != worker_id:
+            if flight is None or (flight.worker_id, flight.run_id) != (worker_id, run_id):
                 continue  # its caller has gone, or it was handed to another worker
             if kind == "rej":
                 flight.queue.put_nowait(_Rejected(payload))
@@ -340,7 +377,7 @@ class RemoteEngineClient(EngineClient):
             serving = self._serving(spec.name)
             matching = [w for w in serving if w.beat.models[spec.name].spec == wanted]
             if serving and not matching and nudged_at is None:
-                await self._nudge()  # the workers load the registry's new spec beside the old
+                await self._nudge(spec.name)  # the workers load the new spec beside the old
                 nudged_at = time.monotonic()
             group = matching if exact else (matching or serving)
             infos = [info for w in group if (info := await self._info(w, spec.name)) is not None]
@@ -352,7 +389,7 @@ class RemoteEngineClient(EngineClient):
                 if failed:
                     raise ModelLoadError(failed[0].error)
                 if nudged_at is None:
-                    await self._nudge()
+                    await self._nudge(spec.name)
                     nudged_at = time.monotonic()
                 elif time.monotonic() - nudged_at > max(PLACEMENT_GRACE_S, 3 * self.heartbeat_s):
                     raise ModelUnavailableError(
@@ -375,7 +412,11 @@ class RemoteEngineClient(EngineClient):
         self._infos[key] = found
         return found[1]
 
-    async def _nudge(self) -> None:
+    async def _nudge(self, model: str = "") -> None:
+        now = time.monotonic()
+        if now - self._nudged.get(model, -math.inf) < NUDGE_EVERY_S:
+            return
+        self._nudged[model] = now
         try:
             await self._layer.group_send(
                 registry_group(self.namespace), {"type": "registry.changed"}
@@ -590,18 +631,26 @@ class RemoteEngineClient(EngineClient):
                     "shortly."
                 )
             worker_id = worker.beat.worker_id
-            flight = _Flight(request, worker_id)
+            flight = _Flight(request, worker_id, worker.beat.run_id)
             self._flights[request.request_id] = flight
+            message = {
+                "type": "generate",
+                "request": request.to_dict(),
+                "reply": self._reply,
+                "run": worker.beat.run_id,
+            }
             try:
-                await self._layer.send(
-                    worker_channel(self.namespace, worker_id),
-                    {"type": "generate", "request": request.to_dict(), "reply": self._reply},
-                )
+                await self._layer.send(worker_channel(self.namespace, worker_id), message)
             except Exception as exc:
                 self._flights.pop(request.request_id, None)
                 logger.warning("could not send to engine worker %s: %s", worker_id, exc)
                 tried.add(worker_id)
                 continue
+            except BaseException:
+                # Cancelled while sending (the client left): it may have arrived.
+                self._flights.pop(request.request_id, None)
+                self._abort_on(worker_id, request)
+                raise
             try:
                 first = await flight.queue.get()
             except BaseException:
@@ -661,6 +710,10 @@ class RemoteEngineClient(EngineClient):
 
     # Stopping
     async def shutdown(self) -> None:
+        flights = list(self._flights.values())
+        self._flights.clear()
+        if flights and self._layer is not None:
+            await self._abort_all(flights)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 # A reply channel that stays full this long belongs to a web process that no longer reads it:
 # its requests are aborted rather than generated for nobody.
 SEND_RETRY_FOR_S = 5.0
+# A web process's sender task ends after this long without anything to send it.
+SENDER_IDLE_S = 60.0
 # An abort that arrives before its request (the request still compiling its grammar) is kept
 # this long.
 EARLY_ABORT_TTL_S = 60.0
@@ -111,6 +113,12 @@ class EngineServer:
         self._versions: dict[str, str] = {}
         self._load_errors: dict[str, str] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._starting: dict[str, str] = {}  # request id -> reply, until submitted or refused
+        self._senders: dict[str, tuple[asyncio.Queue, asyncio.Task]] = {}
+        self._sending = 0  # batches taken from `_pending` and not yet sent
+        # This process's run: a worker restarted under the same id is another run, and a
+        # request sent to an earlier run is not taken up by this one.
+        self.run_id = secrets.token_hex(4)
 
     # Lifecycle
     async def run(self, stop: asyncio.Event, abort: asyncio.Event | None = None) -> None:
@@ -170,6 +178,10 @@ class EngineServer:
             await asyncio.sleep(0.01)
 
     async def _leave(self) -> None:
+        senders = [task for _, task in self._senders.values()]
+        for task in senders:
+            task.cancel()
+        await asyncio.gather(*senders, return_exceptions=True)
         try:
             await self.layer.group_discard(registry_group(self.namespace), self.channel)
         except Exception:
@@ -227,12 +239,18 @@ class EngineServer:
     async def _generate(self, message: dict[str, Any]) -> None:
         request = GenerationRequest.from_dict(message["request"])
         reply, request_id = message["reply"], request.request_id
+        if message.get("run") not in (None, self.run_id):
+            # Sent to the process that had this worker id before: its caller has given it
+            # up (or handed it to another worker) when that process stopped beating.
+            logger.info("dropping request %s sent to an earlier run", request_id)
+            return
         if self._draining:
             self._post(
                 reply,
                 ("rej", request_id, encode_error(ModelNotLoadedError(ERROR_DRAINING), retry=True)),
             )
             return
+        self._starting[request_id] = reply
         try:
             if request.sampling.grammar is not None:
                 await asyncio.to_thread(
@@ -250,6 +268,8 @@ class EngineServer:
             if not isinstance(exc, EngineError):
                 logger.exception("request %s could not start", request_id)
             self._post(reply, ("rej", request_id, encode_error(exc, retry=retry)))
+        finally:
+            self._starting.pop(request_id, None)
 
     def _abort(self, model: str, request_id: str) -> None:
         if request_id in self._flights:
@@ -298,7 +318,6 @@ class EngineServer:
         self._post(reply, ("res", call_id, result))
 
     # Sending
-    _sending = False
 
     def _post(self, reply: str, event: tuple[str, str, Any]) -> None:
         """Queue an event for a web process (any thread; engine threads call it per token)."""
@@ -312,12 +331,14 @@ class EngineServer:
                 pass  # the loop is closed: the process is exiting
 
     async def _send_loop(self) -> None:
+        """Sort what the engine threads posted into one batch per web process and hand each
+        to that process's sender: a web process that stops reading holds up only itself."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             with self._pending_lock:
                 pending, self._pending = self._pending, []
-                self._sending = True
+                self._sending += 1
             try:
                 batches: dict[str, list] = {}
                 for reply, (kind, ident, payload) in pending:
@@ -326,9 +347,40 @@ class EngineServer:
                         payload = encode_output(payload)
                     batches.setdefault(reply, []).append([kind, ident, payload])
                 for reply, events in batches.items():
-                    await self._send(reply, events)
+                    sender = self._senders.get(reply)
+                    if sender is None or sender[1].done():
+                        queue: asyncio.Queue = asyncio.Queue()
+                        task = asyncio.create_task(self._sender(reply, queue))
+                        sender = self._senders[reply] = (queue, task)
+                    with self._pending_lock:
+                        self._sending += 1
+                    sender[0].put_nowait(events)
             finally:
-                self._sending = False
+                with self._pending_lock:
+                    self._sending -= 1
+
+    async def _sender(self, reply: str, queue: asyncio.Queue) -> None:
+        """Send one web process its batches in order; ends after SENDER_IDLE_S without any."""
+        while True:
+            try:
+                async with asyncio.timeout(SENDER_IDLE_S):
+                    events = await queue.get()
+            except TimeoutError:
+                if queue.empty():
+                    self._senders.pop(reply, None)
+                    return
+                continue
+            try:
+                # Whatever queued meanwhile goes in the same message.
+                while not queue.empty():
+                    more = queue.get_nowait()
+                    events = events + more
+                    with self._pending_lock:
+                        self._sending -= 1
+                await self._send(reply, events)
+            finally:
+                with self._pending_lock:
+                    self._sending -= 1
 
     def _note(self, request_id: str, output: GenerationOutput) -> None:
         if output.finish_reason is None:
@@ -342,20 +394,27 @@ class EngineServer:
     async def _send(self, reply: str, events: list) -> None:
         seq = self._seq.get(reply, 0)
         self._seq[reply] = seq + 1
-        message = {"type": "events", "worker": self.worker_id, "seq": seq, "events": events}
+        message = {
+            "type": "events",
+            "worker": self.worker_id,
+            "run": self.run_id,
+            "seq": seq,
+            "events": events,
+        }
         deadline = time.monotonic() + SEND_RETRY_FOR_S
         while True:
             try:
                 await self.layer.send(reply, message)
                 return
             except ChannelFull:
-                if time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.05)
-            except Exception:
-                logger.exception("could not send to %s", reply)
+                reason = "does not read its channel"
+            except Exception as exc:
+                # Redis away for a moment: the batch is kept and sent again.
+                reason = f"cannot be reached ({type(exc).__name__}: {exc})"
+            if time.monotonic() > deadline:
                 break
-        logger.warning("%s does not read its channel; aborting its requests", reply)
+            await asyncio.sleep(0.05)
+        logger.warning("%s %s; aborting its requests", reply, reason)
         for request_id, flight in list(self._flights.items()):
             if flight.reply == reply:
                 self.worker.abort(flight.model, request_id)
@@ -368,7 +427,8 @@ class EngineServer:
             except Exception:
                 logger.warning("heartbeat failed", exc_info=True)
             try:
-                await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_s)
+                async with asyncio.timeout(self.heartbeat_s):
+                    await self._beat_now.wait()
             except TimeoutError:
                 pass
             self._beat_now.clear()
@@ -405,6 +465,11 @@ class EngineServer:
                 if flight.model == name:
                     beat.by_reply[flight.reply] = beat.by_reply.get(flight.reply, 0) + flight.open
             models[name] = beat
+        open_requests: dict[str, list[str]] = {}
+        for request_id, flight in self._flights.items():
+            open_requests.setdefault(flight.reply, []).append(request_id)
+        for request_id, reply in self._starting.items():
+            open_requests.setdefault(reply, []).append(request_id)
         await self.store.refresh_info(self.worker_id, list(self._versions), ttl)
         await self.store.publish(
             WorkerBeat(
@@ -414,7 +479,9 @@ class EngineServer:
                 started_at=self.started_at,
                 at=time.time(),
                 seq=self._beat_seq,
+                run_id=self.run_id,
                 draining=self._draining,
+                open_requests=open_requests,
                 model_filter=self.model_filter,
                 models=models,
             ),
@@ -428,7 +495,8 @@ class EngineServer:
     async def _placement_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._sync_now.wait(), self.sync_s)
+                async with asyncio.timeout(self.sync_s):
+                    await self._sync_now.wait()
             except TimeoutError:
                 pass
             self._sync_now.clear()

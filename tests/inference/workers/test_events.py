@@ -57,7 +57,7 @@ async def test_a_message_that_never_comes_is_skipped_and_the_reply_ends_in_an_er
     client._arrived(message(0, out(0, "a", (1,))))
     client._arrived(message(2, out(0, "c", (3,), finish_reason="length", num_generated_tokens=3)))
     assert [i.text for i in drained(f.queue)] == ["a"]
-    order = client._orders["w1"]
+    order = client._orders[("w1", "")]
     order.gap_since -= GAP_TIMEOUT_S + 0.1
     client._close_gaps()
     (last,) = drained(f.queue)
@@ -127,3 +127,53 @@ def test_a_continued_prompt_goes_back_to_its_worker_unless_that_one_is_much_busi
     # ...and so does the continuation once w2 is busier by more than the slack.
     client._workers["w2"] = worker("w2", 4)
     assert client._route("m", set(), continued).beat.worker_id == "w1"
+
+
+async def test_a_request_its_worker_no_longer_lists_is_settled(monkeypatch):
+    import inference.workers.client as client_module
+
+    client = make_client()
+    client._reply = "reply!1"
+
+    def beat(seq: int, open_ids: list[str], run: str = "a") -> WorkerBeat:
+        models = {"m": ModelBeat("m", "serving")}
+        return WorkerBeat(
+            "w1",
+            "h",
+            1,
+            0.0,
+            at=0.0,
+            seq=seq,
+            run_id=run,
+            models=models,
+            open_requests={"reply!1": open_ids},
+        )
+
+    client._workers["w1"] = _Worker(beat(1, ["r1"]), 1, 0.0, confirmed=True)
+    f = flight(client)
+    f.run_id = "a"
+    f.sent_at -= 10  # sent well before the beats below were taken
+    client._arrived({**message(0, out(0, "a", (1,))), "run": "a"})
+    drained(f.queue)
+    clock = [1000.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: clock[0])
+    f.sent_at = clock[0] - 10
+    client._update([beat(2, ["r1"])])
+    assert f.missing_since is None  # still listed: still running there
+    clock[0] += 1
+    client._update([beat(3, [])])  # the worker finished it; its last event never came
+    assert f.missing_since is not None and f.queue.empty()
+    clock[0] += client_module.SETTLE_GRACE_S + 1
+    client._update([beat(4, [])])
+    (ended,) = drained(f.queue)
+    assert ended.finish_reason == "error" and "lost" in ended.error
+
+    # A worker restarted under the same id is another run: what the old run held has died.
+    other = flight(client)
+    other.run_id = "a"
+    client._arrived({**message(1, out(0, "b", (2,))), "run": "a"})
+    drained(other.queue)
+    client._update([beat(5, [], run="b")])
+    (died,) = drained(other.queue)
+    assert died.finish_reason == "error" and "stopped responding" in died.error
+    assert client._workers["w1"].beat.run_id == "b"
