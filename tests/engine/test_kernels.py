@@ -1,5 +1,5 @@
 """The fast CPU SiLU / SwiGLU (engine/kernels.py): accuracy over float32's range, the special
-values, half-precision inputs, and its installation into mlx-lm models."""
+values, half-precision inputs, and its installation into mlx-lm models by the loader."""
 
 import math
 
@@ -10,6 +10,8 @@ import pytest
 from mlx_lm.models import activations, switch_layers
 
 from engine import kernels
+from engine.loader import load_model
+from tests.fixtures.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu, reason="the fast kernels are for MLX's CPU backend"
@@ -119,6 +121,34 @@ def test_kernels_are_compiled_per_shape_and_old_shapes_dropped():
         assert np.allclose(np.array(cache(x, None, mx.float32)), np.array(nn.silu(x)), rtol=1e-5)
     assert len(cache) == 2
     assert [key[0] for key in cache._entries] == [(5,), (4,)]  # 3 dropped, 4 used last
+
+
+def fast_modules(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if getattr(m, "_orchard_fast", False)]
+
+
+def test_loader_installs_it_and_outputs_stay_within_rounding(tiny_llama, monkeypatch):
+    assert kernels.fast_kernels_enabled()
+    assert sorted(fast_modules(tiny_llama.model)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    assert not kernels.fast_kernels_enabled()
+    plain = load_model(build_tiny_model(model_type="llama", tokenizer="qwen3"))
+    assert fast_modules(plain.model) == []
+    assert (
+        type(plain.model.model.layers[0].mlp).__call__
+        is not type(tiny_llama.model.model.layers[0].mlp).__call__
+    )
+
+    tokens = mx.array([[3000 + 7 * i for i in range(40)]])
+    fast, exact = tiny_llama.model(tokens), plain.model(tokens)
+    assert np.abs(np.array(fast - exact)).max() < 1e-4
+    assert mx.array_equal(mx.argmax(fast, axis=-1), mx.argmax(exact, axis=-1))
+
+
+def test_hybrid_model_gets_it_in_mlps_and_gated_norms(tiny_qwen3_next):
+    names = fast_modules(tiny_qwen3_next.model)
+    assert "model.layers.0.mlp" in names and "model.layers.1.mlp" in names
+    assert "model.layers.0.linear_attn.norm" in names  # precise_swiglu in the gated RMSNorm
 
 
 def test_install_copies_shared_modules_and_keeps_parameters():
