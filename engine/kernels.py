@@ -86,7 +86,7 @@ def _self_check() -> bool:
     on disk), so that a machine where that fails keeps MLX's kernels instead of failing requests."""
     x = mx.linspace(-100.0, 100.0, 4001)
     try:
-        fast = silu(x)
+        fast = swiglu(x, mx.ones_like(x))  # the kernels the models' MLPs use
         mx.eval(fast)
     except Exception:
         logger.warning("fast CPU kernels unavailable: they failed to compile", exc_info=True)
