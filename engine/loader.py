@@ -22,6 +22,7 @@ from mlx_lm.utils import load_model as mlx_load_model
 from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from engine import kernels
 from engine.harmony import is_harmony_tokenizer
 from engine.model_config import context_length as config_context_length
 from engine.protocol import ModelInfo
@@ -41,9 +42,12 @@ class LoadedModel:
 def load_model(
     path: str | Path, *, name: str | None = None, context_length: int | None = None
 ) -> LoadedModel:
-    """Load weights with mlx-lm and the tokenizer by the first loader that works."""
+    """Load weights with mlx-lm and the tokenizer by the first loader that works; on the CPU the
+    model's MLPs get the fast SwiGLU (engine/kernels.py) unless ORCHARD_FAST_KERNELS=0."""
     path = Path(path)
     model, config = mlx_load_model(path)
+    if kernels.fast_kernels_enabled():
+        logger.info("%s: fast CPU SwiGLU in %d modules", path.name, kernels.install(model))
     eos = config.get("eos_token_id")
     tokenizer, source = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     info = ModelInfo(
