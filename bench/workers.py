@@ -43,7 +43,7 @@ import uuid  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # after `engine`: bench/engine.py would shadow it
 
-from api import MODEL, Run, load_average, messages, setup_home, wait_for_quiet  # noqa: E402
+from api import MODEL, Run, http_run, load_average, messages, setup_home, wait_for_quiet  # noqa: E402
 
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
@@ -101,33 +101,8 @@ class Layout:
                     process.kill()
 
 
-async def streams(client, count: int, max_tokens: int) -> Run:
-    tag = uuid.uuid4().hex[:8]
-
-    async def one(i: int) -> int:
-        stream = await client.chat.completions.create(
-            model=MODEL,
-            messages=messages(tag, i),
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        usage = None
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-        assert usage is not None and usage.completion_tokens == max_tokens, usage
-        return usage.completion_tokens
-
-    start = time.perf_counter()
-    counts = await asyncio.gather(*(one(i) for i in range(count)))
-    return Run(sum(counts), time.perf_counter() - start)
-
-
 async def first_tokens(client, count: int) -> list[float]:
-    """Milliseconds to the first content chunk, one request at a time."""
+    """Milliseconds to the first chunk with a choice (the first token), one request at a time."""
     tag = uuid.uuid4().hex[:8]
     times = []
     for i in range(count):
@@ -160,8 +135,8 @@ async def measure_layout(layout: Layout, key: str, args) -> tuple[Run, list[floa
         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=600),
     )
     try:
-        await streams(client, 2, 8)  # warm: the model loads on the first request
-        run = await streams(client, args.streams, args.max_tokens)
+        await http_run(client, 2, 1, 8)  # warm: the model loads on the first request
+        run = await http_run(client, args.streams, 1, args.max_tokens)
         ttft = await first_tokens(client, args.ttft_requests)
     finally:
         await client.close()

@@ -10,6 +10,7 @@ layer (whose messages expire and can be dropped).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from engine.protocol import EngineStats, ModelInfo, ModelSpec
+from engine.protocol import EngineStats, ModelInfo, ModelSpec, ModelStatus
 
 
 @dataclass
@@ -182,3 +183,56 @@ class BeatStore:
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+
+
+def sum_stats(name: str, beats: list[ModelBeat]) -> EngineStats | None:
+    """One model's stats summed over the workers serving it."""
+    stats = [s for b in beats if (s := b.engine_stats()) is not None]
+    if not stats:
+        return None
+    total = {
+        f.name: sum(getattr(s, f.name) for s in stats)
+        for f in dataclasses.fields(EngineStats)
+        if f.name not in ("model", "prefix_cache", "step_time_ms")
+    }
+    cache: dict[str, int] = {}
+    for s in stats:
+        for key, value in s.prefix_cache.items():
+            cache[key] = cache.get(key, 0) + value
+    step = max(s.step_time_ms for s in stats)
+    return EngineStats(model=name, **total, step_time_ms=step, prefix_cache=cache)
+
+
+def model_status(name: str, workers: list[WorkerBeat]) -> ModelStatus:
+    """Where a model stands over the live workers' beats (ModelStatus's states, plus
+    "draining" when only draining workers serve it), its stats summed over those serving."""
+    beats = [(w, b) for w in workers if (b := w.models.get(name)) is not None]
+    serving = [b for w, b in beats if b.state == "serving" and not w.draining]
+    loading = [b for _, b in beats if b.loading]
+    failed = [b for _, b in beats if b.error]
+    draining = [b for w, b in beats if b.state == "serving" and w.draining]
+    if serving:
+        state = "serving"
+    elif draining:
+        state = "draining"
+    elif loading:
+        state = "loading"
+    elif failed:
+        state = "failed"
+    elif beats:
+        state = "stopped"
+    else:
+        state = "not_loaded"
+    return ModelStatus(
+        name=name,
+        state=state,
+        serving=serving[0].model_spec() if serving else None,
+        loading=ModelSpec.from_dict(loading[0].loading) if loading else None,
+        error=failed[0].error if failed else None,
+        failed_at=failed[0].failed_at if failed else None,
+        failed_spec=ModelSpec.from_dict(failed[0].failed_spec)
+        if failed and failed[0].failed_spec
+        else None,
+        stats=sum_stats(name, [b for b in serving]),
+        restarts=sum(b.restarts for _, b in beats),
+    )

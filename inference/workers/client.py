@@ -52,7 +52,8 @@ from engine.protocol import (
     RenderedPrompt,
 )
 from engine.rendering import PromptRenderer
-from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
+from inference.workers.beats import BeatStore, WorkerBeat, model_status, sum_stats
+from inference.workers.ordering import EventOrder, PrefixAffinity
 from inference.workers.wire import (
     decode_error,
     decode_output,
@@ -63,18 +64,14 @@ from inference.workers.wire import (
 
 logger = logging.getLogger(__name__)
 
-GAP_TIMEOUT_S = 1.0
 # A request its worker's beats stop listing is given up this long after (its last events may
 # still be on the way); a beat is taken to know of a request sent SEND_LATENCY_S before it.
 SETTLE_GRACE_S = 2.0
 SEND_LATENCY_S = 0.5
 # A web process asks the workers to re-read the registry at most this often per model.
 NUDGE_EVERY_S = 5.0
-# Prefix affinity: prompts are matched on their first k tokens for these k (the longest first),
-# remembered for this many prefixes; a remembered worker is kept while it has at most
-# AFFINITY_SLACK more requests than the least loaded.
-AFFINITY_LENGTHS = (4096, 2048, 1024, 512, 256, 128, 64)
-AFFINITY_ENTRIES = 20_000
+# A remembered worker (prefix affinity) is kept while it has at most this many more requests
+# than the least loaded.
 AFFINITY_SLACK = 2
 CALL_TIMEOUT_S = 30.0
 # After asking the workers to look at the registry, how long a model nobody serves may take to
@@ -90,15 +87,6 @@ class _Worker:
     seen_seq: int
     seen_at: float  # time.monotonic() when its beat number last moved
     confirmed: bool  # its beat is fresh (seen moving, or recent by the wall clock)
-
-
-@dataclass
-class _Order:
-    """Messages from one worker, put back in the order it sent them."""
-
-    next: int = 0
-    waiting: dict[int, dict] = field(default_factory=dict)
-    gap_since: float | None = None
 
 
 @dataclass
@@ -148,15 +136,14 @@ class RemoteEngineClient(EngineClient):
         self._background: set[asyncio.Task] = set()
         self._workers: dict[str, _Worker] = {}
         self._snapshot: tuple[float, list[WorkerBeat]] = (0.0, [])  # for other threads
-        self._orders: dict[str, _Order] = {}
+        self._orders: dict[tuple[str, str], EventOrder] = {}  # per worker run
         self._flights: dict[str, _Flight] = {}
         self._calls: dict[str, tuple[asyncio.Future, str]] = {}
         self._infos: dict[tuple[str, str], tuple[str, ModelInfo]] = {}
         self._tokenizers: dict[tuple[str, int], Any] = {}
         self._wanted: dict[str, ModelSpec] = {}
         self._nudged: dict[str, float] = {}
-        # Prompt prefixes (model, hash of the first k tokens) -> the worker that last ran one.
-        self._affinity: dict[tuple[str, int], str] = {}
+        self._affinity = PrefixAffinity()
 
     # Starting
     async def _started(self) -> None:
@@ -311,27 +298,20 @@ class RemoteEngineClient(EngineClient):
                 logger.exception("bad engine message: %.200r", message)
 
     def _arrived(self, message: dict) -> None:
-        order = self._orders.setdefault((message["worker"], message.get("run", "")), _Order())
-        seq = message["seq"]
-        if seq < order.next:
-            logger.warning("dropping a late message %d from %s", seq, message["worker"])
-            return
-        order.waiting[seq] = message
-        while order.next in order.waiting:
-            self._apply(order.waiting.pop(order.next))
-            order.next += 1
-        order.gap_since = (order.gap_since or time.monotonic()) if order.waiting else None
+        key = (message["worker"], message.get("run", ""))
+        ready = self._orders.setdefault(key, EventOrder()).arrive(message, time.monotonic())
+        if ready is None:
+            logger.warning("dropping a late message %d from %s", message["seq"], key[0])
+        for each in ready or ():
+            self._apply(each)
 
     def _close_gaps(self) -> None:
         now = time.monotonic()
-        for worker_id, order in self._orders.items():
-            if order.gap_since is not None and now - order.gap_since > GAP_TIMEOUT_S:
-                logger.warning("messages %d.. from %s never came", order.next, worker_id)
-                order.next = min(order.waiting)
-                while order.next in order.waiting:
-                    self._apply(order.waiting.pop(order.next))
-                    order.next += 1
-                order.gap_since = now if order.waiting else None
+        for (worker_id, _), order in self._orders.items():
+            if ready := order.skip_gap(now):
+                logger.warning("messages before %d from %s never came", ready[0]["seq"], worker_id)
+                for each in ready:
+                    self._apply(each)
 
     def _apply(self, message: dict) -> None:
         worker_id, run_id = message["worker"], message.get("run", "")
@@ -454,36 +434,7 @@ class RemoteEngineClient(EngineClient):
         return [b for b in self.store.read_all_sync() if abs(wall - b.at) < self.timeout_s]
 
     def model_status(self, name: str) -> ModelStatus:
-        beats = [(w, b) for w in self.workers() if (b := w.models.get(name)) is not None]
-        serving = [b for w, b in beats if b.state == "serving" and not w.draining]
-        loading = [b for _, b in beats if b.loading]
-        failed = [b for _, b in beats if b.error]
-        draining = [b for w, b in beats if b.state == "serving" and w.draining]
-        if serving:
-            state = "serving"
-        elif draining:
-            state = "draining"
-        elif loading:
-            state = "loading"
-        elif failed:
-            state = "failed"
-        elif beats:
-            state = "stopped"
-        else:
-            state = "not_loaded"
-        return ModelStatus(
-            name=name,
-            state=state,
-            serving=serving[0].model_spec() if serving else None,
-            loading=ModelSpec.from_dict(loading[0].loading) if loading else None,
-            error=failed[0].error if failed else None,
-            failed_at=failed[0].failed_at if failed else None,
-            failed_spec=ModelSpec.from_dict(failed[0].failed_spec)
-            if failed and failed[0].failed_spec
-            else None,
-            stats=_sum_stats(name, [b for b in serving]),
-            restarts=sum(b.restarts for _, b in beats),
-        )
+        return model_status(name, self.workers())
 
     def clear_prefix_cache(self, name: str, timeout: float = 30.0) -> int:
         return async_to_sync(self._clear_prefix_cache)(name, timeout)
@@ -501,7 +452,7 @@ class RemoteEngineClient(EngineClient):
         await self._started()
         names = sorted({name for w in self._live() for name in w.beat.models})
         stats = [
-            _sum_stats(name, [b for w in self._serving(name) if (b := w.beat.models[name])])
+            sum_stats(name, [b for w in self._serving(name) if (b := w.beat.models[name])])
             for name in names
         ]
         return [s for s in stats if s is not None]
@@ -605,20 +556,13 @@ class RemoteEngineClient(EngineClient):
         # cache holds it), unless that worker is busier than the least loaded by more than
         # AFFINITY_SLACK requests.
         by_id = {w.beat.worker_id: w for w in candidates}
-        for prefix in _prefix_keys(model, prompt):
-            worker_id = self._affinity.get(prefix)
-            if worker_id in by_id:
-                if loads[worker_id][0] <= loads[best.beat.worker_id][0] + AFFINITY_SLACK:
-                    return by_id[worker_id]
-                break
+        worker_id = self._affinity.lookup(model, prompt)
+        if (
+            worker_id in by_id
+            and loads[worker_id][0] <= loads[best.beat.worker_id][0] + AFFINITY_SLACK
+        ):
+            return by_id[worker_id]
         return best
-
-    def _remember(self, model: str, prompt: tuple[int, ...], worker_id: str) -> None:
-        for prefix in _prefix_keys(model, prompt):
-            self._affinity.pop(prefix, None)
-            self._affinity[prefix] = worker_id
-        while len(self._affinity) > AFFINITY_ENTRIES:
-            self._affinity.pop(next(iter(self._affinity)))
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         await self._started()
@@ -663,7 +607,7 @@ class RemoteEngineClient(EngineClient):
                     tried.add(worker_id)
                     continue
                 raise decode_error(first.error)
-            self._remember(request.model, request.prompt_token_ids, worker_id)
+            self._affinity.remember(request.model, request.prompt_token_ids, worker_id)
             break
         num_open = request.sampling.n
         try:
@@ -736,13 +680,6 @@ class RemoteEngineClient(EngineClient):
         self.store.close()
 
 
-def _prefix_keys(model: str, prompt: tuple[int, ...]) -> list[tuple[str, int]]:
-    """Keys of the prompt's prefixes at AFFINITY_LENGTHS (whole prefixes only), longest first;
-    the last token is left out, as a continuation's prompt has it where the reply began."""
-    body = prompt[:-1]
-    return [(model, hash(body[:k])) for k in AFFINITY_LENGTHS if len(body) >= k]
-
-
 def _load_tokenizer(folder: Path, info: ModelInfo):
     from engine.loader import load_tokenizer
 
@@ -751,21 +688,3 @@ def _load_tokenizer(folder: Path, info: ModelInfo):
     except Exception as exc:
         logger.warning("cannot read the tokenizer at %s here (%s); workers render", folder, exc)
         return None
-
-
-def _sum_stats(name: str, beats: list[ModelBeat]) -> EngineStats | None:
-    """One model's stats summed over the workers serving it."""
-    stats = [s for b in beats if (s := b.engine_stats()) is not None]
-    if not stats:
-        return None
-    total = {
-        f.name: sum(getattr(s, f.name) for s in stats)
-        for f in dataclasses.fields(EngineStats)
-        if f.name not in ("model", "prefix_cache", "step_time_ms")
-    }
-    cache: dict[str, int] = {}
-    for s in stats:
-        for key, value in s.prefix_cache.items():
-            cache[key] = cache.get(key, 0) + value
-    step = max(s.step_time_ms for s in stats)
-    return EngineStats(model=name, **total, step_time_ms=step, prefix_cache=cache)

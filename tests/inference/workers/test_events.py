@@ -6,7 +6,8 @@ import asyncio
 
 from engine.protocol import GenerationOutput, GenerationRequest, SamplingParams
 from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
-from inference.workers.client import GAP_TIMEOUT_S, RemoteEngineClient, _Flight, _Worker
+from inference.workers.client import RemoteEngineClient, _Flight, _Worker
+from inference.workers.ordering import GAP_TIMEOUT_S
 from inference.workers.wire import decode_error, encode_error, encode_output
 
 
@@ -118,7 +119,7 @@ def test_a_continued_prompt_goes_back_to_its_worker_unless_that_one_is_much_busi
     client._workers = {"w1": worker("w1", 0), "w2": worker("w2", 1)}
     conversation = tuple(range(300))
     assert client._route("m", set(), conversation).beat.worker_id == "w1"  # least loaded
-    client._remember("m", conversation, "w2")
+    client._affinity.remember("m", conversation, "w2")
     # The next turn starts with the whole previous prompt: its prefix cache is on w2.
     continued = conversation + tuple(range(1000, 1100))
     assert client._route("m", set(), continued).beat.worker_id == "w2"
