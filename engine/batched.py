@@ -14,6 +14,7 @@ from engine.protocol import GenerationRequest, ModelInfo, RequestStatus
 from engine.request import Emit
 from engine.runner import BatchRunner
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +35,24 @@ class BatchedEngine(EngineLoop):
         self.pacer = PrefillPacer(
             fixed=self.spec.prefill_chunk_tokens, limit=self.spec.max_num_batched_tokens
         )
+        # Drafts are checked in one forward and rejected positions trimmed from the batch's
+        # attention caches; recurrent state cannot be trimmed, so hybrid models (and caches
+        # of other kinds) never speculate.
+        can_trim = self.layout is not None and set(self.layout.kinds) == {"kv"}
+        self.speculator = (
+            Speculator(num_tokens=self.spec.speculative_tokens)
+            if can_trim and self.spec.speculative_tokens > 0
+            else None
+        )
         self.scheduler = Scheduler(
-            max_num_seqs=self.spec.max_num_seqs,
+            # Every running row decodes each step, so the token budget also caps the rows.
+            max_num_seqs=min(self.spec.max_num_seqs, self.spec.max_num_batched_tokens),
             max_num_batched_tokens=self.spec.max_num_batched_tokens,
             prefill_chunk_tokens=self.pacer.chunk_tokens,
+            admission_chunk_tokens=self.pacer.admission_tokens,
             prefix_cache=self.prefix_cache,
             memory=self.memory,
+            speculator=self.speculator,
         )
         hybrid = self.layout is not None and self.layout.hybrid
         self.runner = BatchRunner(self.loaded.model, self.prefix_cache, hybrid=hybrid)
@@ -76,17 +89,24 @@ class BatchedEngine(EngineLoop):
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         # All choices of a request run together, so more than the batch holds could never start.
         info = super().serving_info(info)
-        return dataclasses.replace(info, max_choices=min(info.max_choices, self.spec.max_num_seqs))
+        rows = min(self.spec.max_num_seqs, self.spec.max_num_batched_tokens)
+        return dataclasses.replace(info, max_choices=min(info.max_choices, rows))
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
         started_at = time.perf_counter()
         run_ahead = (
-            self.overlaps and self._inbox.empty() and self.scheduler.decodes_only_after(plan)
+            self.overlaps
+            and not plan.drafts
+            and self._inbox.empty()
+            and self.scheduler.decodes_only_after(plan)
         )
         sampled = self.runner.execute(plan, run_ahead=run_ahead)
         self.pacer.record(plan, time.perf_counter() - started_at)
         self.scheduler.prefill_chunk_tokens = self.pacer.chunk_tokens
+        self.scheduler.admission_chunk_tokens = self.pacer.admission_tokens
+        if self.speculator is not None:
+            self.speculator.record(plan.decode, plan.drafts, plan.accepted)
         _advance(plan)
         for item in sampled:
             if item.seq.status.is_finished:
@@ -98,7 +118,9 @@ class BatchedEngine(EngineLoop):
                 # a failure there ends that request only; the row leaves with the finished ones.
                 logger.exception("request %s failed", item.seq.request.request_id)
                 self.finish(item.seq.request, RequestStatus.FINISHED_ERROR, describe(exc))
-        self.scheduler.remove_finished()
+        finished = self.scheduler.remove_finished()
+        if self.speculator is not None:
+            self.speculator.forget([seq for request in finished for seq in request.sequences])
         self.runner.release_finished()
         self._meter.record_step(time.perf_counter() - started_at, plan, len(sampled))
 
@@ -150,6 +172,10 @@ class PrefillPacer:
     prompt arriving delays each running stream's next token by about that much."""
 
     TARGET_STEP_S = 0.25
+    # While a burst of prompts is admitted and nothing decodes yet (fair admission in
+    # engine/scheduler.py): long enough a step that few decode steps interleave, short
+    # enough that the first prompts start streaming early.
+    ADMISSION_STEP_S = 1.0
     MIN_TOKENS = 16
     START_TOKENS = 256
 
@@ -157,6 +183,7 @@ class PrefillPacer:
         self.fixed = fixed
         self.limit = limit
         self.chunk_tokens = fixed or min(limit, self.START_TOKENS)
+        self.admission_tokens = min(limit, 4 * self.chunk_tokens)
         self._seconds_per_token: float | None = None
 
     def record(self, plan: SchedulerOutput, elapsed_s: float) -> None:
@@ -172,11 +199,13 @@ class PrefillPacer:
         )
         tokens = int(self.TARGET_STEP_S / self._seconds_per_token)
         self.chunk_tokens = max(self.MIN_TOKENS, min(self.limit, tokens))
+        tokens = int(self.ADMISSION_STEP_S / self._seconds_per_token)
+        self.admission_tokens = max(self.MIN_TOKENS, min(self.limit, tokens))
 
 
 def _advance(plan: SchedulerOutput) -> None:
     for seq in plan.decode:
-        seq.num_computed_tokens += 1
+        seq.num_computed_tokens += 1 + plan.accepted.get(id(seq), 0)
     for chunk in plan.prefill:
         for seq in chunk.request.live_sequences():
             seq.num_computed_tokens += chunk.num_tokens

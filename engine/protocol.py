@@ -102,7 +102,7 @@ class ModelSpec:
     path: str
     engine: str = "batched"  # "batched" | "simple"
     context_length: int | None = None  # None: read from the model's config
-    max_num_seqs: int = 16
+    max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting: int = 256
     # Prefill tokens per step while other sequences decode (None: sized by the engine from
@@ -113,6 +113,9 @@ class ModelSpec:
     # 0: no prefix cache).
     memory_budget_bytes: int | None = None
     prefix_cache_bytes: int | None = None
+    # Speculative decoding by prompt lookup (engine/speculative.py): the longest draft a
+    # decode step checks per sequence; 0: off.
+    speculative_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

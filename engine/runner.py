@@ -95,6 +95,17 @@ class _Prefilled:
     sampled_cache: Cache | None = None
 
 
+@dataclass
+class _Verify:
+    """A speculative decode step in flight: the rows, their drafts (by id(seq)), the width
+    fed per row, and per position the rows that drafted that far with their samples."""
+
+    seqs: list[Sequence]
+    drafts: dict[int, tuple[int, ...]]
+    width: int
+    positions: list[tuple[list[int], SampleResult]]
+
+
 class BatchRunner:
     """Holds the decode batch (rows, batched cache) and in-progress prefill caches.
 
@@ -159,6 +170,7 @@ class BatchRunner:
         )
         done = self._prefill(plan)
         batches = []
+        verified: list[Sampled] | None = None
         if self._ahead is not None:
             # This step's decode is already running; sequences that finished since are dropped
             # in `collect`, and joining ones get their first token from a forward of their own.
@@ -170,7 +182,12 @@ class BatchRunner:
         else:
             if done.joining:
                 self._extend(done.joining, done.cache)
-            if self._rows:
+            if self._rows and plan.drafts:
+                # Drafts are checked on the host (how many tokens each row keeps) and the
+                # rows' rejected positions leave the cache before other rows join it; no
+                # running ahead past such a step.
+                verified = self._accept_drafts(self._decode_drafts(plan.drafts), plan)
+            elif self._rows:
                 batches.append((list(self._rows), self._decode(self._rows, self._cache, 0)))
         # Prompts whose last token went through their prefill: their first token is sampled,
         # and they decode from the next step on.
@@ -178,6 +195,8 @@ class BatchRunner:
             batches += done.sampled
             seqs = [seq for seqs, _ in done.sampled for seq in seqs]
             self._extend(seqs, done.sampled_cache)
+        if verified is not None:
+            return verified + collect(batches)
         if not batches:
             return []
         if run_ahead and not any(
@@ -305,6 +324,57 @@ class BatchRunner:
         result = sample_rows(logits, seqs, num_ahead)
         mx.async_eval(result_arrays(result))
         return result
+
+    def _decode_drafts(self, drafts: dict[int, tuple[int, ...]]) -> _Verify:
+        """One forward of every row's last token and its draft (rows with a shorter draft
+        padded with repeats of their last token), each position sampled as an unspeculated
+        step would sample it (engine/speculative.py)."""
+        seqs = list(self._rows)
+        width = 1 + max(len(draft) for draft in drafts.values())
+        rows = []
+        for seq in seqs:
+            last = seq.token_at(seq.num_tokens - 1)
+            draft = drafts.get(id(seq), ())
+            rows.append([last, *draft, *[last] * (width - 1 - len(draft))])
+        logits = self.model(mx.array(rows), cache=self._cache)
+        positions = [(list(range(len(seqs))), sample_rows(logits[:, 0, :], seqs, 0))]
+        for j in range(1, width):
+            kept = [r for r, seq in enumerate(seqs) if len(drafts.get(id(seq), ())) >= j]
+            part = logits[mx.array(kept), j, :] if len(kept) < len(seqs) else logits[:, j, :]
+            positions.append((kept, sample_rows(part, [seqs[r] for r in kept], j)))
+        mx.async_eval([a for _, result in positions for a in result_arrays(result)])
+        return _Verify(seqs, drafts, width, positions)
+
+    def _accept_drafts(self, verify: _Verify, plan: SchedulerOutput) -> list[Sampled]:
+        """Each row's tokens: its position-0 token, then one more per draft token equal to
+        the token sampled before it; the rejected positions are dropped from the cache."""
+        seqs = verify.seqs
+        by_position: list[dict[int, Sampled]] = []
+        for kept, result in verify.positions:
+            sampled = collect([([seqs[r] for r in kept], result)])
+            by_position.append(dict(zip(kept, sampled, strict=True)))
+        out: list[Sampled] = []
+        garbage = []
+        for r, seq in enumerate(seqs):
+            draft = verify.drafts.get(id(seq), ())
+            emitted = [by_position[0][r]]
+            while len(emitted) <= len(draft) and draft[len(emitted) - 1] == emitted[-1].token_id:
+                emitted.append(by_position[len(emitted)][r])
+            accepted = len(emitted) - 1
+            if draft:
+                plan.accepted[id(seq)] = accepted
+            out += emitted
+            garbage.append(verify.width - 1 - accepted)
+        common = min(garbage)
+        for layer in self._cache:
+            if common:
+                layer.trim(common)
+            if max(garbage) > common:
+                # mlx-lm's right-padding roll: each row's rejected positions move into its
+                # left padding, which the mask hides.
+                layer.prepare(right_padding=[g - common for g in garbage])
+                layer.finalize()
+        return out
 
     def _decode_ahead(self, batches: list[tuple[list[Sequence], SampleResult]]) -> SampleResult:
         position = {id(seq): i for i, seq in enumerate(s for seqs, _ in batches for s in seqs)}

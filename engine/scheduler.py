@@ -7,6 +7,15 @@ arrival order while sequence slots and memory remain.
 
 - While any sequence decodes, prefill gets at most `prefill_chunk_tokens` a step, so a long
   prompt arriving never stalls the running streams for long.
+- Fair admission: while several prompts wait (a burst arriving together), a step prefills at
+  most `admission_chunk_tokens` (while nothing decodes, the head prompt whole if longer), in
+  arrival order; prompts that complete start streaming at once, their decode interleaved
+  with the next chunks. So the median first token comes after about half the prompts, not
+  after all of them, as it would if the whole burst were prefilled as one batch; and the
+  chunks stay large, so few decode steps interleave. A lone prompt gets the whole budget,
+  or `prefill_chunk_tokens` a step beside running streams.
+- Speculative decoding (engine/speculative.py): decode rows may carry a draft, checked in the
+  same forward; the drafts count against the token budget.
 - A chunk ends at the request's next checkpoint (a boundary its recurrent state is worth
   keeping at, on a hybrid model), so the runner can snapshot it there.
 - At admission a request is matched against the prefix cache: its sequences start with the
@@ -25,6 +34,7 @@ from dataclasses import dataclass, field
 from engine.prefix_cache import PrefixCache
 from engine.protocol import RequestStatus
 from engine.request import Request, Sequence
+from engine.speculative import Speculator
 
 # A batch cache grows in steps of this many tokens (mlx-lm's BatchKVCache.step).
 CACHE_STEP_TOKENS = 256
@@ -65,10 +75,15 @@ class PrefillChunk:
 class SchedulerOutput:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
+    # Draft tokens per decode row, by id(seq); the runner fills `accepted` (by id(seq)): how
+    # many of a row's draft tokens it kept.
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return len(self.decode) + sum(chunk.num_tokens for chunk in self.prefill)
+        drafted = sum(len(draft) for draft in self.drafts.values())
+        return len(self.decode) + drafted + sum(chunk.num_tokens for chunk in self.prefill)
 
     @property
     def is_empty(self) -> bool:
@@ -84,6 +99,8 @@ class Scheduler:
         prefill_chunk_tokens: int | None = None,
         prefix_cache: PrefixCache | None = None,
         memory: MemoryBudget | None = None,
+        admission_chunk_tokens: int | None = None,
+        speculator: Speculator | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             # Every running sequence must be able to decode each step.
@@ -92,6 +109,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # Prefill tokens per step while sequences decode (None: the whole budget).
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # Prefill tokens per step while a burst is admitted and nothing decodes yet (None:
+        # the whole budget).
+        self.admission_chunk_tokens = admission_chunk_tokens
+        self.speculator = speculator
         self.prefix_cache = prefix_cache
         self.memory = memory
         self.waiting: deque[Request] = deque()
@@ -122,7 +143,18 @@ class Scheduler:
                     assert seq.num_uncomputed_tokens == 1, seq.seq_id
                     output.decode.append(seq)
         budget -= len(output.decode)
-        if output.decode and self.prefill_chunk_tokens:
+        if self.speculator is not None and output.decode:
+            output.drafts = self.speculator.drafts(output.decode)
+            drafted = sum(len(draft) for draft in output.drafts.values())
+            if drafted > budget:
+                output.drafts = {}
+            budget -= sum(len(draft) for draft in output.drafts.values())
+        if self.admission_chunk_tokens and self._num_prefilling() > 1:
+            # A burst: bigger steps than a lone prompt gets beside the decode, so few decode
+            # steps interleave; the head prompt is never split (while nothing decodes).
+            head = 0 if output.decode else self._head_remaining()
+            budget = min(budget, max(self.admission_chunk_tokens, head))
+        elif output.decode and self.prefill_chunk_tokens:
             budget = min(budget, self.prefill_chunk_tokens)
 
         for request in self.running:
@@ -150,6 +182,18 @@ class Scheduler:
             output.prefill.append(chunk)
             budget -= chunk.num_tokens
         return output
+
+    def _num_prefilling(self) -> int:
+        running = sum(1 for request in self.running if request.sequences[0].is_prefilling)
+        return running + len(self.waiting)
+
+    def _head_remaining(self) -> int:
+        """Prompt tokens left of the first request in arrival order still prefilling."""
+        for request in [*self.running, *self.waiting]:
+            lead = request.sequences[0]
+            if lead.is_prefilling:
+                return request.num_prompt_tokens - lead.num_computed_tokens
+        return 0
 
     def _match(self, request: Request) -> None:
         if self.prefix_cache is None:

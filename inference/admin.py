@@ -84,7 +84,17 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
         ("Engine", {"fields": ["status", "load_error"]}),
         ("Parsers", {"fields": ["tool_parser", "reasoning_parser"]}),
         ("Generation", {"fields": ["context_length", "default_sampling"]}),
-        ("Batching", {"fields": ["max_num_seqs", "max_num_batched_tokens", "max_waiting"]}),
+        (
+            "Batching",
+            {
+                "fields": [
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "max_waiting",
+                    "speculative_tokens",
+                ]
+            },
+        ),
         (
             "Memory and prefix cache",
             {

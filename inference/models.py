@@ -1,5 +1,6 @@
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator
 from django.db import models
 
 from engine.protocol import InvalidRequestError, SamplingParams
@@ -59,7 +60,11 @@ class ModelEntry(models.Model):
     default_sampling = models.JSONField(
         default=dict, blank=True, help_text='Defaults for omitted fields, e.g. {"temperature": 0.7}'
     )
-    max_num_seqs = models.PositiveIntegerField(default=16)
+    max_num_seqs = models.PositiveIntegerField(
+        default=64,
+        help_text="Sequences decoding together. Admission also waits for memory, so a large "
+        "value is safe; more rows a step is more tokens/s (bench/RESULTS.md).",
+    )
     max_num_batched_tokens = models.PositiveIntegerField(default=2048)
     max_waiting = models.PositiveIntegerField(default=256)
     prefill_chunk_tokens = models.PositiveIntegerField(
@@ -73,6 +78,13 @@ class ModelEntry(models.Model):
         blank=True,
         help_text="Bytes for the running requests' caches and the prefix cache together. "
         "Empty: 60% of the device's memory less the weights.",
+    )
+    speculative_tokens = models.PositiveSmallIntegerField(
+        default=4,
+        validators=[MaxValueValidator(16)],
+        help_text="Speculative decoding by prompt lookup: the longest draft a step checks per "
+        "sequence, taken from the sequence's own earlier tokens (agents and edits repeat "
+        "their input). Greedy and seeded outputs are unchanged; small batches only. 0: off.",
     )
     prefix_cache_bytes = models.PositiveBigIntegerField(
         null=True,

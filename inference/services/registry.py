@@ -78,6 +78,7 @@ def model_spec(entry: ModelEntry) -> ModelSpec:
         prefill_chunk_tokens=entry.prefill_chunk_tokens,
         memory_budget_bytes=entry.memory_budget_bytes,
         prefix_cache_bytes=entry.prefix_cache_bytes,
+        speculative_tokens=entry.speculative_tokens,
     )
 
 

@@ -173,3 +173,67 @@ def test_the_prefix_cache_makes_room_before_anyone_waits():
     scheduler.schedule()
     assert [r.request_id for r in scheduler.running] == ["a", "b"]
     assert 0 < cache.nbytes <= cached // 2  # half the cache went, not the waiting request
+
+
+def test_a_burst_is_admitted_in_arrival_order_and_streams_while_the_rest_prefill():
+    """Sixteen 96-token prompts arriving together: with fair admission the first ones get
+    their first token after a quarter of the burst is prefilled and decode while the rest
+    prefill; the median first token comes after about half the prompts, not all of them."""
+
+    def first_token_steps(scheduler):
+        for i in range(16):
+            scheduler.add(request(f"r{i}", 96, max_tokens=64))
+        first, step = {}, 0
+        while scheduler.has_work():
+            step += 1
+            for rid in simulate_step(scheduler):
+                first.setdefault(rid, step)
+        return [first[f"r{i}"] for i in range(16)]
+
+    burst = first_token_steps(Scheduler(max_num_seqs=16, max_num_batched_tokens=2048))
+    assert burst == [1] * 16  # one 1536-token step: everyone waits for all of it
+    fair = first_token_steps(
+        Scheduler(
+            max_num_seqs=16,
+            max_num_batched_tokens=2048,
+            prefill_chunk_tokens=96,
+            admission_chunk_tokens=384,
+        )
+    )
+    assert fair == sorted(fair), "arrival order"
+    # Four prompts a step (384 tokens), the first ones decoding beside the next chunks.
+    assert fair == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    # A lone prompt beside running streams gets the smaller chunk.
+    scheduler = Scheduler(
+        max_num_seqs=16,
+        max_num_batched_tokens=2048,
+        prefill_chunk_tokens=96,
+        admission_chunk_tokens=384,
+    )
+    scheduler.add(request("a", 3, max_tokens=64))
+    simulate_step(scheduler)
+    scheduler.add(request("b", 1000))
+    assert [c.num_tokens for c in scheduler.schedule().prefill] == [96]
+
+
+def test_a_lone_prompt_gets_the_whole_budget():
+    scheduler = Scheduler(
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        prefill_chunk_tokens=64,
+        admission_chunk_tokens=256,
+    )
+    scheduler.add(request("a", 1500))
+    plan = scheduler.schedule()
+    assert [(c.start, c.num_tokens) for c in plan.prefill] == [(0, 1500)]
+    # Two waiting: the head prompt is still prefilled whole when longer than the chunk.
+    scheduler = Scheduler(
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        prefill_chunk_tokens=64,
+        admission_chunk_tokens=256,
+    )
+    scheduler.add(request("a", 700))
+    scheduler.add(request("b", 700))
+    plan = scheduler.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefill] == [("a", 700)]
