@@ -60,6 +60,10 @@ class BatchedEngine(EngineLoop):
     def prefill_chunk_tokens(self) -> int:
         return self.pacer.chunk_tokens
 
+    def draft_counts(self) -> tuple[int, int]:
+        speculator = self.speculator
+        return (speculator.num_drafted, speculator.num_accepted) if speculator else (0, 0)
+
     def run(self) -> None:
         while True:
             block = not (self.scheduler.has_work() or self._draining)

@@ -165,8 +165,11 @@ class EngineLoop:
         stats = self._meter.snapshot(self.spec.name, num_waiting, num_running)
         # Plain ints written by the engine thread: a snapshot a moment old at worst.
         cache = self.prefix_cache.stats().to_dict() if self.prefix_cache is not None else {}
+        drafted, accepted = self.draft_counts()
         return dataclasses.replace(
             stats,
+            num_draft_tokens=drafted,
+            num_accepted_draft_tokens=accepted,
             num_cached_prompt_tokens=cache.get("hit_tokens", 0),
             prefill_chunk_tokens=self.prefill_chunk_tokens(),
             memory_budget_bytes=self.memory.max_bytes if self.memory else 0,
@@ -176,6 +179,10 @@ class EngineLoop:
     def prefill_chunk_tokens(self) -> int:
         """Prefill tokens per step while others decode (0: no limit)."""
         return 0
+
+    def draft_counts(self) -> tuple[int, int]:
+        """Speculative decoding's draft tokens checked and accepted (engine/speculative.py)."""
+        return 0, 0
 
     def clear_prefix_cache(self) -> concurrent.futures.Future[int]:
         """Empty the prefix cache (on the engine thread) and hand its memory back to the

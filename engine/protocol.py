@@ -462,6 +462,9 @@ class EngineStats:
     num_cached_prompt_tokens: int = 0
     prefill_chunk_tokens: int = 0
     memory_budget_bytes: int = 0
+    # Speculative decoding: draft tokens checked, and of those accepted (since load).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     prefix_cache: Mapping[str, int] = field(default_factory=dict)  # PrefixCacheStats.to_dict()
 
     def to_dict(self) -> dict[str, Any]:

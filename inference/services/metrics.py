@@ -110,8 +110,20 @@ class _EngineCollector:
             "Prompt tokens not recomputed thanks to the prefix cache.",
             labels=["model"],
         )
+        drafted = CounterMetricFamily(
+            "orchard_speculative_draft_tokens",
+            "Draft tokens checked by speculative decoding.",
+            labels=["model"],
+        )
+        accepted = CounterMetricFamily(
+            "orchard_speculative_accepted_tokens",
+            "Draft tokens speculative decoding accepted (each one a forward saved).",
+            labels=["model"],
+        )
         for stats in self.stats:
             cache = stats.prefix_cache or {}
+            drafted.add_metric([stats.model], stats.num_draft_tokens)
+            accepted.add_metric([stats.model], stats.num_accepted_draft_tokens)
             families["waiting"].add_metric([stats.model], stats.num_waiting)
             families["running"].add_metric([stats.model], stats.num_running)
             families["tps"].add_metric([stats.model], stats.tokens_per_second)
@@ -121,7 +133,7 @@ class _EngineCollector:
             hits.add_metric([stats.model], cache.get("hits", 0))
             hit_tokens.add_metric([stats.model], cache.get("hit_tokens", 0))
         yield from families.values()
-        yield from (lookups, hits, hit_tokens)
+        yield from (lookups, hits, hit_tokens, drafted, accepted)
 
 
 def exposition(stats: list[EngineStats]) -> bytes:

@@ -67,6 +67,9 @@ def test_metrics_count_real_requests(live_server_url, staff_key, client, make_ke
     assert value(after, "orchard_engine_running_sequences", model=TINY) == 0
     assert ("orchard_prefix_cache_lookups_total", (("model", TINY),)) in after
     assert delta("orchard_prefix_cache_lookups_total", model=TINY) >= 3
+    assert ("orchard_speculative_draft_tokens_total", (("model", TINY),)) in after
+    drafted = value(after, "orchard_speculative_draft_tokens_total", model=TINY)
+    assert 0 <= value(after, "orchard_speculative_accepted_tokens_total", model=TINY) <= drafted
 
 
 def test_metrics_are_not_public(live_server_url, api_key):
