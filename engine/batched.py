@@ -111,6 +111,13 @@ class BatchedEngine(EngineLoop):
         self.scheduler.admission_chunk_tokens = self.pacer.admission_tokens
         if self.speculator is not None:
             self.speculator.record(plan.decode, plan.drafts, plan.accepted)
+            if plan.decode and not plan.prefill:
+                self.speculator.record_step(
+                    len(plan.decode),
+                    bool(plan.drafts),
+                    len(sampled),
+                    time.perf_counter() - started_at,
+                )
         _advance(plan)
         for item in sampled:
             if item.seq.status.is_finished:

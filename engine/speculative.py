@@ -19,9 +19,13 @@ same tokens with and without speculation; greedy rows the same argmax.
 Policy (`Speculator`): which rows draft and how far. A row drafts only when its sampling needs
 no host decision between positions (no penalties, no grammar), only while its drafts keep
 being accepted (an acceptance average per sequence: a row whose drafts keep failing stops
-drafting, and tries again after a cool-down), and a step speculates only while the batch is
-small (`max_rows`): every row of a batch is fed as many positions as the longest draft, so at
-large batches a draft costs more than it saves.
+drafting, and tries again after a cool-down). Every row of a batch is fed as many positions
+as the longest draft, so a wide batch pays for its drafts in every row: whether drafting pays
+off is measured, per batch size (in powers of two), as tokens per second of the decode steps
+with drafts against those without (every `PROBE_EVERY`th step of a size decodes without, to
+keep that figure fresh); a size whose drafted steps are slower stops drafting, except every
+`PROBE_EVERY`th step, which drafts to see whether that changed. Batches above `max_rows`
+never draft.
 """
 
 from __future__ import annotations
@@ -78,20 +82,28 @@ class Speculator:
     `cooldown_steps` steps."""
 
     num_tokens: int
-    max_rows: int = 8
+    max_rows: int = 64
     min_ngram: int = 2
     max_ngram: int = 4
     min_acceptance: float = 0.3
     cooldown_steps: int = 16
+    adaptive: bool = True  # refuse drafts where measured slower (tests turn it off)
     num_drafted: int = 0
     num_accepted: int = 0
     _rows: dict[tuple[str, int], _RowStats] = field(default_factory=dict)
     _steps: int = 0
+    # Per batch size bucket: [steps, tokens/s without drafts, tokens/s with drafts].
+    _rates: dict[int, list] = field(default_factory=dict)
+
+    PROBE_EVERY = 24
+    RATE_WEIGHT = 0.25  # of a new step in the moving averages
 
     def drafts(self, decode: list[Sequence]) -> dict[int, tuple[int, ...]]:
         """The draft of each decode row that drafts this step, by `id(seq)`."""
         self._steps += 1
         if not decode or len(decode) > self.max_rows or self.num_tokens <= 0:
+            return {}
+        if self.adaptive and not self._pays_off(len(decode)):
             return {}
         out: dict[int, tuple[int, ...]] = {}
         for seq in decode:
@@ -127,6 +139,25 @@ class Speculator:
             if stats.acceptance < self.min_acceptance:
                 stats.resume_at = self._steps + self.cooldown_steps
                 stats.acceptance = self.min_acceptance  # one good draft brings it back
+
+    def _pays_off(self, num_rows: int) -> bool:
+        rates = self._rates.setdefault(num_rows.bit_length(), [0, None, None])
+        rates[0] += 1
+        plain, drafted = rates[1], rates[2]
+        losing = plain is not None and drafted is not None and drafted < plain
+        # A probe step does what the figures advise against, so both stay measured.
+        return losing == (rates[0] % self.PROBE_EVERY == 0)
+
+    def record_step(self, num_rows: int, drafted: bool, num_tokens: int, seconds: float) -> None:
+        """A decode-only step's throughput, for the per-batch-size comparison."""
+        rates = self._rates.get(num_rows.bit_length())
+        if rates is None or seconds <= 0 or num_rows > self.max_rows:
+            return
+        slot = 2 if drafted else 1
+        rate = num_tokens / seconds
+        previous = rates[slot]
+        weight = self.RATE_WEIGHT
+        rates[slot] = rate if previous is None else (1 - weight) * previous + weight * rate
 
     def forget(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -8,7 +8,7 @@ import pytest
 
 from engine.batched import BatchedEngine
 from engine.protocol import SamplingParams
-from engine.speculative import NgramDrafter
+from engine.speculative import NgramDrafter, Speculator
 from tests.engine.conftest import drive, greedy, make_request, manual_engine, run_batched
 from tests.engine.test_identity import assert_same_events
 
@@ -47,6 +47,8 @@ def _repeating_prompts(vocab_size: int, count: int) -> list[list[int]]:
 
 def _run(loaded, requests, join_at, speculative_tokens, **kwargs):
     engine = manual_engine(loaded, BatchedEngine, speculative_tokens=speculative_tokens, **kwargs)
+    if engine.speculator is not None:
+        engine.speculator.adaptive = False  # drafts whatever the step times say
     return engine, drive(engine, requests, join_at)
 
 
@@ -110,6 +112,7 @@ def test_a_speculated_sequence_is_remembered_by_the_prefix_cache(tiny_llama):
     engine = manual_engine(
         tiny_llama, BatchedEngine, speculative_tokens=3, prefix_cache_bytes=64 << 20
     )
+    engine.speculator.adaptive = False
     first = drive(engine, [make_request("t1", prompt, greedy(20, ignore_eos=True))])
     follow = [*prompt, *first.tokens("t1"), 1500, 1501]
     warm = drive(engine, [make_request("t2", follow, greedy(12, ignore_eos=True))])
@@ -122,6 +125,7 @@ def test_policy_drafts_only_small_batches_without_host_decisions(tiny_llama, tin
     vocab = tiny_llama.info.vocab_size
     prompts = _repeating_prompts(vocab, 3)
     engine = manual_engine(tiny_llama, BatchedEngine, speculative_tokens=4)
+    engine.speculator.adaptive = False
     requests = [
         engine.make_request(make_request(f"p{i}", p, params), lambda output: None)
         for i, (p, params) in enumerate(
@@ -145,3 +149,29 @@ def test_policy_drafts_only_small_batches_without_host_decisions(tiny_llama, tin
     # Recurrent state cannot be rolled back: a hybrid model never speculates.
     assert manual_engine(tiny_qwen3_next, BatchedEngine, speculative_tokens=4).speculator is None
     assert manual_engine(tiny_llama, BatchedEngine).speculator is None
+
+
+def test_a_batch_size_whose_drafted_steps_are_slower_stops_drafting(tiny_llama):
+    engine = manual_engine(tiny_llama, BatchedEngine, speculative_tokens=4)
+    prompts = _repeating_prompts(tiny_llama.info.vocab_size, 2)
+    for i, prompt in enumerate(prompts):
+        request = make_request(f"q{i}", prompt, greedy(200, ignore_eos=True))
+        engine.scheduler.add(engine.make_request(request, lambda output: None))
+    engine.step()
+    while len(engine.scheduler.running[0].sequences[0].output_token_ids) < 4:
+        engine.step()
+    decode = [request.sequences[0] for request in engine.scheduler.running]
+    speculator = Speculator(num_tokens=4)  # no figures from the steps above
+    assert speculator.drafts(decode)
+    # Measured: drafted steps of this batch size give fewer tokens/s than plain ones.
+    speculator.record_step(2, drafted=False, num_tokens=2, seconds=0.01)
+    speculator.record_step(2, drafted=True, num_tokens=4, seconds=0.05)
+    plans = [speculator.drafts(decode) for _ in range(2 * speculator.PROBE_EVERY)]
+    assert sum(1 for plan in plans if plan) == 2, "only the probes draft"
+    # Drafts that pay off bring it back (and then only probes decode without).
+    speculator.record_step(2, drafted=True, num_tokens=10, seconds=0.01)
+    speculator.record_step(2, drafted=True, num_tokens=10, seconds=0.01)
+    plans = [speculator.drafts(decode) for _ in range(2 * speculator.PROBE_EVERY)]
+    assert sum(1 for plan in plans if not plan) == 2
+    # Another batch size is measured on its own.
+    assert speculator.drafts(decode[:1])
