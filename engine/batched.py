@@ -196,13 +196,24 @@ class PrefillPacer:
         self.chunk_tokens = fixed or min(limit, self.START_TOKENS)
         self.admission_tokens = min(limit, 4 * self.chunk_tokens)
         self._seconds_per_token: float | None = None
+        self._decode_s: dict[int, float] = {}  # decode-only step time by rows (power of two)
 
     def record(self, plan: SchedulerOutput, elapsed_s: float) -> None:
         num_prefill = sum(chunk.num_tokens for chunk in plan.prefill)
+        if plan.decode and not plan.prefill:
+            bucket = len(plan.decode).bit_length()
+            previous = self._decode_s.get(bucket)
+            self._decode_s[bucket] = (
+                elapsed_s if previous is None else 0.7 * previous + 0.3 * elapsed_s
+            )
         if self.fixed or num_prefill < self.MIN_TOKENS:
             return
-        # The decode rows' share of the step is small beside a chunk; counting it all as
-        # prefill time errs toward smaller chunks.
+        # A step beside many decoding rows spends much of its time on them: their share (as
+        # a decode-only step of that size measured) is not prefill time. Without a figure yet
+        # it all counts, which errs toward smaller chunks.
+        if plan.decode:
+            decode_s = self._decode_s.get(len(plan.decode).bit_length(), 0.0)
+            elapsed_s = max(elapsed_s - decode_s, 0.25 * elapsed_s)
         per_token = elapsed_s / num_prefill
         previous = self._seconds_per_token
         self._seconds_per_token = (

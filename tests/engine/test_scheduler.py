@@ -4,7 +4,8 @@ import pytest
 
 from engine.protocol import GenerationRequest, RequestStatus, SamplingParams
 from engine.request import Request, Sequence
-from engine.scheduler import Scheduler
+from engine.batched import PrefillPacer
+from engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 
 
 class _State:
@@ -237,3 +238,17 @@ def test_a_lone_prompt_gets_the_whole_budget():
     scheduler.add(request("b", 700))
     plan = scheduler.schedule()
     assert [(c.request.request_id, c.num_tokens) for c in plan.prefill] == [("a", 700)]
+
+
+def test_the_pacer_sizes_chunks_from_prefill_time_not_the_decode_beside_it():
+    pacer = PrefillPacer(fixed=None, limit=4096)
+    rows = [request(f"d{i}", 3).sequences[0] for i in range(40)]
+    prompt = request("p", 2000)
+    # 40 rows decode in 0.3 s; 200 prompt tokens beside them take 0.3 + 0.2 s.
+    for _ in range(5):
+        pacer.record(SchedulerOutput(decode=rows), 0.3)
+        pacer.record(SchedulerOutput(decode=rows, prefill=[PrefillChunk(prompt, 0, 200)]), 0.5)
+    # 1 ms a prompt token: a 0.25 s chunk is ~250 tokens and an admission step ~1000, where
+    # counting the decode as prefill would have made them 100 and 400.
+    assert 230 <= pacer.chunk_tokens <= 260
+    assert 950 <= pacer.admission_tokens <= 1010

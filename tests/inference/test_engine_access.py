@@ -64,6 +64,7 @@ def test_admin_changes_reach_the_engine_without_a_restart(
         "max_num_seqs": 3,
         "max_num_batched_tokens": entry.max_num_batched_tokens,
         "max_waiting": entry.max_waiting,
+        "speculative_tokens": 2,
         "default_sampling": "{}",
     }
     with django_capture_on_commit_callbacks(execute=True):
@@ -71,7 +72,9 @@ def test_admin_changes_reach_the_engine_without_a_restart(
     assert response.status_code == 302, response.content.decode()[:2000]
     # The new batch size loads beside the serving engine: no restart, no request waits.
     deadline = time.monotonic() + 60
-    while fresh_client.model_status("live").serving.max_num_seqs != 3:
+    while (serving := fresh_client.model_status("live").serving).max_num_seqs != 3 or (
+        serving.speculative_tokens != 2
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     # Disabling it in the admin retires its engine.
