@@ -2,9 +2,9 @@
 
 import pytest
 
+from engine.batched import PrefillPacer
 from engine.protocol import GenerationRequest, RequestStatus, SamplingParams
 from engine.request import Request, Sequence
-from engine.batched import PrefillPacer
 from engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 
 
