@@ -48,8 +48,9 @@ def prefill(model: nn.Module, cache: Cache, token_ids: Seq[int]) -> None:
         mx.async_eval([c.state for c in cache])
 
 
-def last_logits(model: nn.Module) -> Callable[[mx.array, Cache, list[int]], mx.array]:
-    """`forward(tokens (B, T), cache, positions)`: the logits (B, V) of one position per row.
+def last_logits(model: nn.Module) -> Callable[..., mx.array]:
+    """`forward(tokens (B, T), cache, positions, rows=None)`: the logits (N, V) of position
+    `positions[i]` of row `rows[i]` (rows None: one position per row, in row order).
 
     The model's own call projects every position through the vocabulary; a prompt whose
     first token comes from its prefill needs one. mlx-lm models are a backbone (`model`)
@@ -57,9 +58,12 @@ def last_logits(model: nn.Module) -> Callable[[mx.array, Cache, list[int]], mx.a
     that backbone-then-head gives the model's own logits, only the wanted rows are projected;
     otherwise (a model that post-processes its logits) the model is called whole."""
 
-    def whole(tokens: mx.array, cache: Cache, positions: list[int]) -> mx.array:
+    def picked(rows: list[int] | None, tokens: mx.array) -> mx.array:
+        return mx.arange(tokens.shape[0]) if rows is None else mx.array(rows)
+
+    def whole(tokens: mx.array, cache: Cache, positions: list[int], rows=None) -> mx.array:
         logits = model(tokens, cache=cache)
-        return logits[mx.arange(tokens.shape[0]), mx.array(positions)]
+        return logits[picked(rows, tokens), mx.array(positions)]
 
     backbone = getattr(model, "model", None)
     if getattr(model, "lm_head", None) is not None:
@@ -69,9 +73,9 @@ def last_logits(model: nn.Module) -> Callable[[mx.array, Cache, list[int]], mx.a
     else:
         return whole
 
-    def split(tokens: mx.array, cache: Cache, positions: list[int]) -> mx.array:
+    def split(tokens: mx.array, cache: Cache, positions: list[int], rows=None) -> mx.array:
         hidden = backbone(tokens, cache)
-        return head(hidden[mx.arange(tokens.shape[0]), mx.array(positions)])
+        return head(hidden[picked(rows, tokens), mx.array(positions)])
 
     try:
         probe = mx.array([[1, 2, 3, 4]])
@@ -336,12 +340,20 @@ class BatchRunner:
             last = seq.token_at(seq.num_tokens - 1)
             draft = drafts.get(id(seq), ())
             rows.append([last, *draft, *[last] * (width - 1 - len(draft))])
-        logits = self.model(mx.array(rows), cache=self._cache)
-        positions = [(list(range(len(seqs))), sample_rows(logits[:, 0, :], seqs, 0))]
-        for j in range(1, width):
-            kept = [r for r, seq in enumerate(seqs) if len(drafts.get(id(seq), ())) >= j]
-            part = logits[mx.array(kept), j, :] if len(kept) < len(seqs) else logits[:, j, :]
-            positions.append((kept, sample_rows(part, [seqs[r] for r in kept], j)))
+        # Only the positions that are sampled go through the vocabulary projection: every
+        # row's first, and a drafting row's as far as its draft.
+        kept = [
+            [r for r, seq in enumerate(seqs) if len(drafts.get(id(seq), ())) >= j]
+            for j in range(width)
+        ]
+        flat_rows = [r for rows_j in kept for r in rows_j]
+        flat_positions = [j for j, rows_j in enumerate(kept) for _ in rows_j]
+        logits = self._last_logits(mx.array(rows), self._cache, flat_positions, flat_rows)
+        positions, start = [], 0
+        for j, rows_j in enumerate(kept):
+            part = logits[start : start + len(rows_j)]
+            start += len(rows_j)
+            positions.append((rows_j, sample_rows(part, [seqs[r] for r in rows_j], j)))
         mx.async_eval([a for _, result in positions for a in result_arrays(result)])
         return _Verify(seqs, drafts, width, positions)
 
