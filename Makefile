@@ -33,7 +33,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test lint bench-engine bench-api bench-workers clean
+.PHONY: setup serve test lint bench-engine bench-api bench-workers bench-serve bench-speculative clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,12 @@ bench-api: setup
 
 bench-workers: setup
 	$(PY) bench/workers.py
+
+bench-serve: setup
+	$(PY) bench/serve_compare.py
+
+bench-speculative: setup
+	$(PY) bench/speculative.py
 
 clean:
 	rm -rf $(VENV)

@@ -283,18 +283,22 @@ def table(args, results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_results(block: str) -> None:
+def write_results(
+    block: str, start: str = START_MARK, end: str = END_MARK, title: str = SECTION_TITLE
+) -> None:
+    """Put `block` between the `start` and `end` markers in bench/RESULTS.md (under `title`,
+    appended as a new section if it is not there yet); other scripts pass their own."""
     # Re-read right before writing: the ENGINE section of this file has another owner.
     text = RESULTS.read_text() if RESULTS.exists() else ""
-    wrapped = f"{START_MARK}\n{block}\n{END_MARK}"
-    if START_MARK in text and END_MARK in text:
-        head, rest = text.split(START_MARK, 1)
-        text = head + wrapped + rest.split(END_MARK, 1)[1]
-    elif SECTION_TITLE in text:
-        head, rest = text.split(SECTION_TITLE, 1)
-        text = f"{head}{SECTION_TITLE}\n\n{wrapped}\n{rest}"
+    wrapped = f"{start}\n{block}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + wrapped + rest.split(end, 1)[1]
+    elif title in text:
+        head, rest = text.split(title, 1)
+        text = f"{head}{title}\n\n{wrapped}\n{rest}"
     else:
-        text = f"{text.rstrip()}\n\n{SECTION_TITLE}\n\n{wrapped}\n"
+        text = f"{text.rstrip()}\n\n{title}\n\n{wrapped}\n"
     RESULTS.write_text(text)
 
 

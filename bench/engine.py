@@ -35,7 +35,7 @@ from engine.protocol import GenerationRequest, ModelSpec, SamplingParams
 from engine.sampled import sample
 from engine.sampling import SamplingState, sample_batch
 
-BATCH_SIZES = (1, 4, 8, 16)
+BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 
 
 def default_model() -> Path:
@@ -66,7 +66,11 @@ def make_engine(
 ) -> BatchedEngine:
     """Orchard's batched engine with `batch` queued (greedy, EOS ignored), stepped by the caller;
     with `grammar`, every other row (from the first) is constrained by it."""
-    spec = ModelSpec(name="bench", path="-", max_num_seqs=16, max_num_batched_tokens=2048)
+    # Every row decodes together (the engine's default batch is 64); no drafts, so this
+    # compares the batched forward itself with mlx-lm's.
+    spec = ModelSpec(
+        name="bench", path="-", max_num_seqs=max(16, len(batch)), max_num_batched_tokens=2048
+    )
     eng = BatchedEngine(spec, lambda: loaded)
     eng.loaded = loaded
     eng.ready.set_result(loaded.info)
@@ -105,7 +109,10 @@ def structured_cost(loaded: LoadedModel, args: argparse.Namespace) -> None:
 
 def run_mlx_lm(loaded: LoadedModel, batch: list[list[int]], gen: int) -> float:
     generator = BatchGenerator(
-        loaded.model, max_tokens=gen, completion_batch_size=16, prefill_batch_size=16
+        loaded.model,
+        max_tokens=gen,
+        completion_batch_size=max(16, len(batch)),
+        prefill_batch_size=16,
     )
     start = time.perf_counter()
     generator.insert(batch)
