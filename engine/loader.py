@@ -43,11 +43,12 @@ def load_model(
     path: str | Path, *, name: str | None = None, context_length: int | None = None
 ) -> LoadedModel:
     """Load weights with mlx-lm and the tokenizer by the first loader that works; on the CPU the
-    model's MLPs get the fast SwiGLU (engine/kernels.py) unless ORCHARD_FAST_KERNELS=0."""
+    model's MLPs and attention get the fast kernels (engine/kernels/) unless
+    ORCHARD_FAST_KERNELS=0."""
     path = Path(path)
     model, config = mlx_load_model(path)
     if kernels.fast_kernels_enabled():
-        logger.info("%s: fast CPU SwiGLU in %d modules", path.name, kernels.install(model))
+        logger.info("%s: fast CPU kernels in %d modules", path.name, kernels.install(model))
     eos = config.get("eos_token_id")
     tokenizer, source = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     info = ModelInfo(
