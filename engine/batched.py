@@ -98,6 +98,8 @@ class BatchedEngine(EngineLoop):
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
+        if plan.drafts and self.runner.running_ahead:
+            plan.drafts = {}  # this step's decode already runs, fed one token per row
         started_at = time.perf_counter()
         run_ahead = (
             self.overlaps

@@ -139,6 +139,11 @@ class BatchRunner:
     def num_rows(self) -> int:
         return len(self._rows)
 
+    @property
+    def running_ahead(self) -> bool:
+        """Whether the next step's decode is already in flight (then it cannot take drafts)."""
+        return self._ahead is not None
+
     def release(self, request_id: str) -> None:
         """Forget a request's prefill cache (aborted before its prompt was done)."""
         self._prefill_caches.pop(request_id, None)

@@ -53,7 +53,7 @@ def _run(loaded, requests, join_at, speculative_tokens, **kwargs):
 
 
 @pytest.mark.slow
-def test_outputs_are_identical_with_and_without_speculation(tiny_llama):
+def test_outputs_are_identical_with_and_without_speculation(tiny_llama, monkeypatch):
     """Greedy, seeded top-p sampling with logprobs, n=2, a stop token and penalties (which
     never draft) in one batch, joining at different steps: the same events with drafts of up
     to 4 tokens as without, while drafts are really accepted and rejected."""
@@ -84,6 +84,16 @@ def test_outputs_are_identical_with_and_without_speculation(tiny_llama):
     assert speculator.num_accepted > 0
     assert speculator.num_accepted < speculator.num_drafted, "some drafts are rejected"
     assert engine.scheduler.speculator is speculator
+    # Where the device overlaps (Metal, CUDA) steps without drafts run ahead: mixed with
+    # drafted steps, still the same events.
+    monkeypatch.setattr(BatchedEngine, "RUN_AHEAD", True)
+    engine, ahead = _run(tiny_llama, requests, join_at, 4)
+    assert engine.overlaps
+    for request in requests:
+        for index in range(request.sampling.n):
+            key = (request.request_id, index)
+            assert_same_events(ahead.events[key], off.events[key])
+    assert engine.speculator.num_accepted > 0
 
 
 @pytest.mark.slow
