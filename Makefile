@@ -33,7 +33,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test lint bench-engine bench-api bench-workers bench-serve bench-speculative clean
+.PHONY: setup serve test lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-blas clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,10 @@ bench-api: setup
 
 bench-workers: setup
 	$(PY) bench/workers.py
+
+# OpenBLAS against BLIS (Debian) and MKL (PyPI, into var/cache/blas) at 1 and 2 threads.
+bench-blas: setup
+	$(PY) bench/blas.py --busy
 
 bench-serve: setup
 	$(PY) bench/serve_compare.py

@@ -47,7 +47,7 @@ import uuid  # noqa: E402
 import httpx  # noqa: E402
 
 from bench.api import MODEL_DIR, load_average  # noqa: E402
-from engine.blas import find_openblas  # noqa: E402
+from engine.blas import find_blas  # noqa: E402
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -210,9 +210,9 @@ def start_mlx_lm(path: Path, port: int, log: Path) -> subprocess.Popen:
     # The same fast BLAS Orchard loads (engine/blas.py), or the comparison is with MLX's
     # reference BLAS, ~50x slower.
     env = dict(os.environ)
-    openblas = find_openblas()
-    if openblas:
-        env["LD_PRELOAD"] = openblas
+    blas = find_blas()
+    if blas:
+        env["LD_PRELOAD"] = blas
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port)],

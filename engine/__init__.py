@@ -1,8 +1,9 @@
 """Orchard's MLX engine. Core modules import no Django (see ARCHITECTURE.md).
 
-Importing this package loads OpenBLAS first on Linux, so that MLX's CPU backend uses it.
+Importing this package loads a fast BLAS first on Linux (engine/blas.py), so that MLX's CPU
+backend uses it.
 """
 
-from engine.blas import preload_openblas
+from engine.blas import preload_blas
 
-preload_openblas()
+preload_blas()

@@ -1,6 +1,8 @@
 #!/bin/sh
 # MLX's CPU backend on Linux ships a slow reference BLAS; Orchard loads OpenBLAS before mlx
-# (engine/blas.py). This makes sure the library is there.
+# (engine/blas.py). This makes sure the library is there. OpenBLAS, not BLIS or MKL, because
+# it is the fastest for decode at batch 16 and for prefill, measured by bench/blas.py
+# (bench/RESULTS.md, "BLAS choice"); ORCHARD_BLAS chooses another one where it is installed.
 [ "$(uname -s)" = "Linux" ] || exit 0
 for d in /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64 /usr/lib; do
   [ -e "$d/openblas-pthread/libopenblas.so.0" ] && exit 0
