@@ -49,6 +49,7 @@ def _run(loaded, requests, join_at, speculative_tokens, **kwargs):
     engine = manual_engine(loaded, BatchedEngine, speculative_tokens=speculative_tokens, **kwargs)
     if engine.speculator is not None:
         engine.speculator.adaptive = False  # drafts whatever the step times say
+        engine.speculator.max_rows = 64  # and at any batch size: the mechanism is tested
     return engine, drive(engine, requests, join_at)
 
 
@@ -172,7 +173,9 @@ def test_a_batch_size_whose_drafted_steps_are_slower_stops_drafting(tiny_llama):
         engine.step()
     decode = [request.sequences[0] for request in engine.scheduler.running]
     speculator = Speculator(num_tokens=4)  # no figures from the steps above
-    assert speculator.drafts(decode)
+    assert speculator.drafts(decode) == {}, "a plain step of this size is measured first"
+    speculator.record_step(2, drafted=False, num_tokens=2, seconds=0.01)
+    assert speculator.drafts(decode), "then one with drafts"
     # Measured: drafted steps of this batch size give fewer tokens/s than plain ones.
     speculator.record_step(2, drafted=False, num_tokens=2, seconds=0.01)
     speculator.record_step(2, drafted=True, num_tokens=4, seconds=0.05)
@@ -184,4 +187,4 @@ def test_a_batch_size_whose_drafted_steps_are_slower_stops_drafting(tiny_llama):
     plans = [speculator.drafts(decode) for _ in range(2 * speculator.PROBE_EVERY)]
     assert sum(1 for plan in plans if not plan) == 2
     # Another batch size is measured on its own.
-    assert speculator.drafts(decode[:1])
+    assert speculator.drafts(decode[:1]) == {}
