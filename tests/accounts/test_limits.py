@@ -342,14 +342,16 @@ async def test_an_idle_keys_budget_is_re_seeded_from_the_database(make_limiter, 
 async def test_in_process_state_of_idle_keys_is_evicted(sync_thread_db):
     """Memory follows the active keys: counters of keys idle past the window (and budgets idle past
     their idle time) go; a key with a request in flight keeps its state."""
-    limiter = InProcessLimiter(window_seconds=0.1, budget_idle_seconds=0.1)
-    for _ in range(50):
-        api_key = make_limited_key(rpm=10, tpm=1000, budget_tokens=10**6)
-        await (await limiter.admit(api_key, reserved_tokens=10)).release(used_tokens=5)
+    # Windows long enough that no key goes idle while the 50 are admitted (on a loaded machine
+    # with PostgreSQL, 0.1 s was not), the keys made before the clock starts.
+    limiter = InProcessLimiter(window_seconds=2.0, budget_idle_seconds=2.0)
+    keys = [make_limited_key(rpm=10, tpm=1000, budget_tokens=10**6) for _ in range(50)]
     busy = make_limited_key(max_parallel=1)
+    for api_key in keys:
+        await (await limiter.admit(api_key, reserved_tokens=10)).release(used_tokens=5)
     await limiter.admit(busy, reserved_tokens=1)
     assert (len(limiter._keys), len(limiter._used)) == (51, 50)
-    await asyncio.sleep(0.15)
+    await asyncio.sleep(2.2)
     await limiter.current_headers(make_limited_key(rpm=1))
     assert list(limiter._keys) == [busy.prefix] and not limiter._used
     with pytest.raises(RateLimitExceeded):
