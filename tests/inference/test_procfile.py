@@ -93,8 +93,15 @@ def test_the_procfile_serves_a_chat_completion_through_an_engine_worker(
         )
     try:
         wait_until(lambda: accepts(port), "the web port", honcho, log_path, START_TIMEOUT_S)
-        # A web process answers 503 for a model no worker has announced: wait for the beat.
-        wait_until(lambda: bool(store.read_all_sync()), "the worker's beat", honcho, log_path, 30)
+        # A web process answers 503 for a model no worker has announced: wait for a beat that
+        # lists it (a first beat can come before the worker has placed its models).
+        wait_until(
+            lambda: any(TINY in beat.models for beat in store.read_all_sync()),
+            "the worker's beat with the model",
+            honcho,
+            log_path,
+            60,
+        )
 
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120
