@@ -352,6 +352,10 @@ class RemoteEngineClient(EngineClient):
     async def _wait_for(self, spec: ModelSpec, *, exact: bool) -> ModelInfo:
         deadline = time.monotonic() + self.load_wait_s
         nudged_at: float | None = None
+        # Since when no live worker has listed the model as loading: a worker that is out of
+        # routing for a moment (its beats late while it loads a tokenizer, say) restarts the
+        # clock when it comes back, so two short gaps do not add up to a refusal.
+        absent_since: float | None = None
         wanted = spec.to_dict()
         while True:
             serving = self._serving(spec.name)
@@ -364,14 +368,20 @@ class RemoteEngineClient(EngineClient):
             if infos:
                 return min(infos, key=lambda i: i.max_request_tokens or math.inf)
             beats = [b for w in self._live() if (b := w.beat.models.get(spec.name)) is not None]
-            if not any(b.state == "loading" for b in beats) and not serving:
+            if any(b.state == "loading" for b in beats) or serving:
+                absent_since = None
+            else:
                 failed = [b for b in beats if b.error]
                 if failed:
                     raise ModelLoadError(failed[0].error)
+                now = time.monotonic()
+                if absent_since is None:
+                    absent_since = now
                 if nudged_at is None:
                     await self._nudge(spec.name)
-                    nudged_at = time.monotonic()
-                elif time.monotonic() - nudged_at > max(PLACEMENT_GRACE_S, 3 * self.heartbeat_s):
+                    nudged_at = now
+                grace = max(PLACEMENT_GRACE_S, 3 * self.heartbeat_s)
+                if now - max(absent_since, nudged_at) > grace:
                     raise ModelUnavailableError(
                         f"No engine worker serves the model '{spec.name}' now; an administrator "
                         "must start one (`manage.py runengine`)."

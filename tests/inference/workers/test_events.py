@@ -4,7 +4,16 @@ handed on when nothing came back yet), events from a worker a request left ignor
 
 import asyncio
 
-from engine.protocol import GenerationOutput, GenerationRequest, SamplingParams
+import pytest
+
+from engine.protocol import (
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    ModelSpec,
+    ModelUnavailableError,
+    SamplingParams,
+)
 from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
 from inference.workers.client import RemoteEngineClient, _Flight, _Worker
 from inference.workers.ordering import GAP_TIMEOUT_S
@@ -178,3 +187,63 @@ async def test_a_request_its_worker_no_longer_lists_is_settled(monkeypatch):
     (died,) = drained(other.queue)
     assert died.finish_reason == "error" and "stopped responding" in died.error
     assert client._workers["w1"].beat.run_id == "b"
+
+
+def _scripted_world(monkeypatch, client: RemoteEngineClient, script):
+    """Drive `_wait_for` on a fake clock: each look at the live workers moves the clock 0.1 s
+    and shows the worker as `script(now)` has it ("loading", "serving" or None: no beat)."""
+    import inference.workers.client as client_module
+
+    clock = [0.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: clock[0])
+    client.refresh_s = 0.0
+    nudges = []
+
+    async def nudge(model=""):
+        nudges.append(clock[0])
+
+    async def info(worker, model):
+        return ModelInfo(model, 4096, 100, (0,))
+
+    live = client._live
+
+    def scripted_live():
+        clock[0] = round(clock[0] + 0.1, 6)
+        state = script(clock[0])
+        client._workers.clear()
+        if state is not None:
+            beat = WorkerBeat("w1", "h", 1, 0.0, models={"m": ModelBeat("m", state)})
+            client._workers["w1"] = _Worker(beat, 1, clock[0], confirmed=True)
+        return live()
+
+    monkeypatch.setattr(client, "_nudge", nudge)
+    monkeypatch.setattr(client, "_info", info)
+    monkeypatch.setattr(client, "_live", scripted_live)
+    return clock, nudges
+
+
+async def test_a_loading_worker_out_of_routing_for_moments_does_not_turn_into_a_refusal(
+    monkeypatch,
+):
+    import inference.workers.client as client_module
+
+    client = make_client()
+    grace = client_module.PLACEMENT_GRACE_S
+
+    def script(now: float) -> str | None:
+        # Two short gaps (beats late while the worker loads), further apart than the grace.
+        if 1.0 <= now < 1.5 or 1.5 + grace + 1 <= now < 2.0 + grace + 1:
+            return None
+        return "serving" if now >= 3.0 + grace + 1 else "loading"
+
+    clock, nudges = _scripted_world(monkeypatch, client, script)
+    info = await client._wait_for(ModelSpec("m", "/nowhere"), exact=False)
+    assert info.name == "m" and clock[0] >= 3.0 + grace + 1
+    assert nudges  # the first gap asked the workers to look at the registry
+
+    # A model no worker lists is refused once the grace after the nudge has passed.
+    client = make_client()
+    clock, nudges = _scripted_world(monkeypatch, client, lambda now: None)
+    with pytest.raises(ModelUnavailableError, match="No engine worker serves"):
+        await client._wait_for(ModelSpec("m", "/nowhere"), exact=False)
+    assert grace < clock[0] - nudges[0] < grace + 1
