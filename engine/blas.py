@@ -13,6 +13,14 @@ fast at prefill. One symbol means one library per process: a mix (BLIS for decod
 OpenBLAS for many) is not possible by preloading; it would take a dispatching `cblas_sgemm` of
 our own in front of both.
 
+In front of that library sits Orchard's own `cblas_sgemm` (engine/native/sgemm.c, compiled on
+first use): it computes the products of a decode step itself (a few rows of activations times
+a weight matrix, read once instead of packed on every call; attention's many tiny products)
+and hands every other product (prefill, large batches) to the library. `ORCHARD_FAST_SGEMM=0`
+loads the library alone; `ORCHARD_SGEMM_THREADS` sets its threads (default: the CPUs this
+process may use); `ORCHARD_SGEMM_MAX_ROWS` the most rows it takes (default `DEFAULT_MAX_ROWS`,
+where it stops being faster than OpenBLAS: bench/RESULTS.md, "Small-M sgemm").
+
 Thread counts are the libraries' own variables (OPENBLAS_NUM_THREADS, BLIS_NUM_THREADS,
 MKL_NUM_THREADS), read when the library loads. Their defaults were the best measured on an idle
 2-core machine (OpenBLAS and MKL: all cores; BLIS: one), so nothing here sets them.
@@ -28,6 +36,10 @@ import sys
 
 ENV = "ORCHARD_BLAS"
 LEGACY_ENV = "ORCHARD_OPENBLAS"
+FAST_SGEMM_ENV = "ORCHARD_FAST_SGEMM"
+SGEMM_THREADS_ENV = "ORCHARD_SGEMM_THREADS"
+SGEMM_ROWS_ENV = "ORCHARD_SGEMM_MAX_ROWS"
+DEFAULT_MAX_ROWS = 32
 
 # Where each library's file is found, most specific first. Debian's pthread builds are the ones
 # measured (the OpenMP builds would bring a second thread pool next to MLX's own threads); MKL is
@@ -56,6 +68,7 @@ SEARCH_PATTERNS = {
 AUTO_ORDER = ("openblas", "blis", "mkl")
 
 _loaded: str | None = None
+_sgemm: ctypes.CDLL | None = None
 
 
 def requested() -> str:
@@ -110,9 +123,78 @@ def preload_blas() -> str | None:
     path = find_blas()
     if path:
         _prepare(path)
+        global _sgemm
+        if fast_sgemm_wanted():
+            _sgemm = _load_sgemm(path)
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         _loaded = path
     return _loaded
+
+
+def fast_sgemm_wanted() -> bool:
+    return os.environ.get(FAST_SGEMM_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        return default
+
+
+def _load_sgemm(blas_path: str) -> ctypes.CDLL | None:
+    """Orchard's cblas_sgemm, set to hand other products to `blas_path` and loaded ahead of
+    it in the global scope; None (the library alone) where it cannot be built or set up."""
+    from engine.native import build_sgemm
+
+    built = build_sgemm()
+    if built is None:
+        return None
+    # Set up while private, so a library that cannot serve as the fallback never takes over
+    # cblas_sgemm; then made global (dlopen promotes an open library), before the BLAS.
+    library = ctypes.CDLL(str(built), mode=ctypes.RTLD_LOCAL)
+    library.orchard_sgemm_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    threads = _env_int(SGEMM_THREADS_ENV, len(os.sched_getaffinity(0)))
+    rows = _env_int(SGEMM_ROWS_ENV, DEFAULT_MAX_ROWS)
+    if library.orchard_sgemm_init(blas_path.encode(), threads, rows) != 0:
+        return None
+    library = ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)
+    library.orchard_sgemm_backend.restype = ctypes.c_char_p
+    return library
+
+
+def sgemm_library() -> str | None:
+    """The file of Orchard's cblas_sgemm when it is loaded, else None."""
+    return _sgemm._name if _sgemm is not None else None
+
+
+def sgemm_backend() -> str | None:
+    """The library Orchard's cblas_sgemm hands other products to (None when not loaded)."""
+    return _sgemm.orchard_sgemm_backend().decode() if _sgemm is not None else None
+
+
+def sgemm_max_rows(rows: int) -> int:
+    """Let Orchard's cblas_sgemm take products of up to `rows` rows from now on (0: hand
+    them all to the library), returning the previous limit: both ways in one process, for
+    benchmarks and identity tests. Raises RuntimeError when it is not loaded."""
+    if _sgemm is None:
+        raise RuntimeError("Orchard's sgemm is not loaded")
+    return _sgemm.orchard_sgemm_set_max_rows(rows)
+
+
+def sgemm_fast() -> bool:
+    """Whether Orchard's cblas_sgemm is loaded and computes products itself (its kernels run
+    on this CPU and its row limit is above 0)."""
+    return _sgemm is not None and bool(_sgemm.orchard_sgemm_fast())
+
+
+def sgemm_counts() -> tuple[int, int]:
+    """Products Orchard's cblas_sgemm computed itself and handed to the library so far."""
+    if _sgemm is None:
+        return 0, 0
+    fast, forwarded = ctypes.c_long(), ctypes.c_long()
+    _sgemm.orchard_sgemm_counts(ctypes.byref(fast), ctypes.byref(forwarded))
+    return fast.value, forwarded.value
 
 
 def sgemm_provider() -> str | None:

@@ -33,7 +33,7 @@ from engine.protocol import RequestStatus
 from engine.request import Request, Sequence
 from engine.sampled import Sampled, collect, result_arrays, sample, sample_rows
 from engine.sampling import SampleResult
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import PrefillChunk, SchedulerOutput
 
 # Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
 _KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -220,13 +220,20 @@ class BatchRunner:
         its first token is sampled from the prefill itself (`sampled`: one forward less
         before the first token), or, on a hybrid model, all but its last (`joining`: that
         token is fed with the decode step, so the prefix cache can keep the recurrent state
-        one token before the prompt's end, where a resent prompt resumes)."""
+        one token before the prompt's end, where a resent prompt resumes).
+
+        Prompts that complete in this step run as one padded batch: from wherever each one's
+        cache stands (an earlier chunk, a prefix-cache hit: a shared system prompt makes that
+        the common case, or nothing); on a hybrid model only whole prompts (no hit, no earlier
+        chunk), whose recurrent state starts empty."""
         whole = [
-            chunk.request
+            chunk
             for chunk in plan.prefill
-            if chunk.start == 0 and chunk.completes_prompt and chunk.num_tokens > 1
+            if chunk.completes_prompt
+            and chunk.num_tokens > 1
+            and (chunk.start == 0 or not self.hybrid)
         ]
-        together = {id(request) for request in whole} if len(whole) > 1 else set()
+        together = {id(chunk.request) for chunk in whole} if len(whole) > 1 else set()
         done = _Prefilled()
         joining_caches: list[Cache] = []
         sampled_caches: list[Cache] = []
@@ -261,7 +268,7 @@ class BatchRunner:
         done.sampled_cache = merge(sampled_caches) if sampled_caches else None
         if together:
             batch, logits = self._prefill_together(whole)
-            seqs = [seq for request in whole for seq in request.live_sequences()]
+            seqs = [seq for chunk in whole for seq in chunk.request.live_sequences()]
             if logits is None:
                 done.joining += seqs
                 done.cache = batch if done.cache is None else concatenate(done.cache, batch)
@@ -290,19 +297,27 @@ class BatchRunner:
         room = request.num_prompt_tokens - (hit.length if hit is not None else 0)
         return start_cache(self.model, self.prefix_cache, hit, room)
 
-    def _prefill_together(self, requests: list[Request]) -> tuple[Cache, mx.array | None]:
-        """Prefill whole prompts as one padded batch: all their tokens, returning each
-        prompt's last logits (one row per prompt), or on a hybrid model all but the last
-        token (logits None; see `_prefill`)."""
-        # mlx-lm's PromptProcessingBatch scheme: right-pad to the longest prompt, mask the
-        # padding, then roll it to the left where the decode batch expects it.
+    def _prefill_together(self, chunks: list[PrefillChunk]) -> tuple[Cache, mx.array | None]:
+        """Prefill the rest of several prompts as one padded batch, each from where its cache
+        stands: all their remaining tokens, returning each prompt's last logits (one row per
+        prompt), or on a hybrid model all but the last token (logits None; see `_prefill`)."""
+        # mlx-lm's PromptProcessingBatch scheme: the caches merged (left padding evens out
+        # where they stand), the remaining tokens right-padded to the longest, the padding
+        # masked, then rolled to the left where the decode batch expects it.
         cut = 1 if self.hybrid else 0
+        requests = [chunk.request for chunk in chunks]
+        caches = []
+        for request in requests:
+            cache = self._prefill_caches.pop(request.request_id, None)
+            caches.append(cache if cache is not None else self._start(request))
+        ends = [len(request.prompt_token_ids) - cut for request in requests]
         bodies = [
-            request.prompt_token_ids[: len(request.prompt_token_ids) - cut] for request in requests
+            chunk.request.prompt_token_ids[chunk.start : end]
+            for chunk, end in zip(chunks, ends, strict=True)
         ]
         lengths = [len(body) for body in bodies]
         padding = [max(lengths) - length for length in lengths]
-        cache = merge([make_cache(self.model) for _ in requests])
+        cache = merge(caches)
         if any(padding):
             for layer in cache:
                 layer.prepare(lengths=lengths, right_padding=padding)
@@ -315,8 +330,8 @@ class BatchRunner:
         if any(padding):
             for layer in cache:
                 layer.finalize()
-        for row, body in enumerate(bodies):
-            self._remember(body, cache, row)
+        for row, (request, end) in enumerate(zip(requests, ends, strict=True)):
+            self._remember(request.prompt_token_ids[:end], cache, row)
         rows = [i for i, request in enumerate(requests) for _ in request.live_sequences()]
         if len(rows) > len(requests):  # n > 1: every choice gets its own copy of the rows
             for layer in cache:

@@ -9,11 +9,12 @@ arrival order while sequence slots and memory remain.
   prompt arriving never stalls the running streams for long.
 - Fair admission: while several prompts wait (a burst arriving together), a step prefills at
   most `admission_chunk_tokens` (while nothing decodes, the head prompt whole if longer), in
-  arrival order; prompts that complete start streaming at once, their decode interleaved
-  with the next chunks. So the median first token comes after about half the prompts, not
-  after all of them, as it would if the whole burst were prefilled as one batch; and the
-  chunks stay large, so few decode steps interleave. A lone prompt gets the whole budget,
-  or `prefill_chunk_tokens` a step beside running streams.
+  arrival order, starting only prompts that fit whole once it holds one (the runner prefills
+  the prompts that complete in a step as one batch); prompts that complete start streaming
+  at once, their decode interleaved with the next chunks. So the median first token comes
+  after about half the prompts, not after all of them, as it would if the whole burst were
+  prefilled as one batch; and the chunks stay large, so few decode steps interleave. A lone
+  prompt gets the whole budget, or `prefill_chunk_tokens` a step beside running streams.
 - Speculative decoding (engine/speculative.py): decode rows may carry a draft, checked in the
   same forward; the drafts count against the token budget.
 - A chunk ends at the request's next checkpoint (a boundary its recurrent state is worth
@@ -149,7 +150,8 @@ class Scheduler:
             if drafted > budget:
                 output.drafts = {}
             budget -= sum(len(draft) for draft in output.drafts.values())
-        if self.admission_chunk_tokens and self._num_prefilling() > 1:
+        burst = bool(self.admission_chunk_tokens) and self._num_prefilling() > 1
+        if burst:
             # A burst: bigger steps than a lone prompt gets beside the decode, so few decode
             # steps interleave; the head prompt is never split (while nothing decodes).
             head = 0 if output.decode else self._head_remaining()
@@ -171,6 +173,10 @@ class Scheduler:
             if num_seqs + len(request.sequences) > self.max_num_seqs:
                 break  # first come, first served: nobody overtakes the head of the queue
             if not self._fits(request, num_seqs):
+                break
+            if burst and output.prefill and request.num_prompt_tokens > budget:
+                # Whole prompts while a burst is admitted: those that complete in one step
+                # are prefilled as one batch (engine/runner.py), a split one alone twice.
                 break
             self.waiting.popleft()
             self.running.append(request)

@@ -123,3 +123,51 @@ def test_the_simple_engine_reuses_the_cache_and_changes_no_token(tiny_model):
     assert warm.cached("second") == 40
     assert_same(warm, "second", cold, "second")
     assert_same(cold, "second", run_batched(tiny_model, [second], **COLD), "second")
+
+
+@pytest.mark.slow
+def test_prompts_completing_together_from_hits_and_earlier_chunks_change_no_token(
+    tiny_model, monkeypatch
+):
+    """The prompts that complete in one step are prefilled as one padded batch from wherever
+    each one's cache stands: a hit on a shared system prompt, an earlier chunk, or nothing
+    (a dense model; a hybrid one batches only whole prompts)."""
+    from engine.runner import BatchRunner
+
+    vocab = tiny_model.info.vocab_size
+    system = tokens(vocab, 40, seed=15)
+    hits = [request(f"hit{i}", [*system, *tokens(vocab, 5 + 4 * i, seed=16 + i)]) for i in range(3)]
+    fresh = request("fresh", tokens(vocab, 9, seed=20))
+    # 30 tokens of "long" in the first step, the rest with two short prompts in the next.
+    long = request("long", tokens(vocab, 45, seed=21))
+    shorts = [request(f"short{i}", tokens(vocab, 6 + i, seed=22 + i)) for i in range(2)]
+    groups = []
+    original = BatchRunner._prefill_together
+
+    def spy(self, chunks):
+        groups.append(sorted((c.request.request_id, c.start) for c in chunks))
+        return original(self, chunks)
+
+    monkeypatch.setattr(BatchRunner, "_prefill_together", spy)
+    engine = manual_engine(tiny_model, BatchedEngine)
+    drive(engine, [request("warmup", [*system, *tokens(vocab, 3, seed=25)], checkpoints=[40])])
+    warm = drive(engine, [*hits, fresh])
+    chunked = run_batched(
+        tiny_model, [long, *shorts], join_at=[0, 1, 1], **COLD, max_num_batched_tokens=30
+    )
+    dense = not engine.runner.hybrid
+    if dense:
+        assert groups == [
+            [("fresh", 0), ("hit0", 40), ("hit1", 40), ("hit2", 40)],
+            [("long", 30), ("short0", 0), ("short1", 0)],
+        ]
+    else:
+        assert groups == [[("short0", 0), ("short1", 0)]]
+    for each in hits:
+        assert warm.cached(each.request_id) == 40
+        cold = run_batched(tiny_model, [each], **COLD)
+        assert_same(warm, each.request_id, cold, each.request_id)
+    assert_same(warm, "fresh", run_batched(tiny_model, [fresh], **COLD), "fresh")
+    for each in (long, *shorts):
+        cold = run_batched(tiny_model, [each], **COLD)
+        assert_same(chunked, each.request_id, cold, each.request_id)

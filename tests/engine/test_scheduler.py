@@ -26,6 +26,10 @@ def simulate_step(scheduler: Scheduler, chunks: list | None = None) -> dict[str,
     plan = scheduler.schedule()
     if chunks is not None:
         chunks += [(c.start, c.num_tokens, c.completes_prompt) for c in plan.prefill]
+    return simulate_plan(scheduler, plan)
+
+
+def simulate_plan(scheduler: Scheduler, plan) -> dict[str, int]:
     for seq in plan.decode:
         seq.num_computed_tokens += 1
     for chunk in plan.prefill:
@@ -215,6 +219,43 @@ def test_a_burst_is_admitted_in_arrival_order_and_streams_while_the_rest_prefill
     simulate_step(scheduler)
     scheduler.add(request("b", 1000))
     assert [c.num_tokens for c in scheduler.schedule().prefill] == [96]
+
+
+def test_a_burst_step_starts_only_prompts_that_fit_whole():
+    """Prompts that complete in one step are prefilled as one batch; one split across steps
+    costs a forward of its own in each, so a burst step leaves the rest of its budget."""
+    scheduler = Scheduler(
+        max_num_seqs=16,
+        max_num_batched_tokens=2048,
+        prefill_chunk_tokens=64,
+        admission_chunk_tokens=220,
+    )
+    for i in range(8):
+        scheduler.add(request(f"r{i}", 71, max_tokens=64))
+    plans = []
+    while scheduler.waiting or any(r.sequences[0].is_prefilling for r in scheduler.running):
+        plan = scheduler.schedule()
+        plans.append([(c.request.request_id, c.start, c.num_tokens) for c in plan.prefill])
+        simulate_plan(scheduler, plan)
+    assert plans == [
+        [("r0", 0, 71), ("r1", 0, 71), ("r2", 0, 71)],
+        [("r3", 0, 71), ("r4", 0, 71), ("r5", 0, 71)],
+        [("r6", 0, 71), ("r7", 0, 71)],
+    ]
+    # A prompt longer than the budget still starts, alone, when the step holds no other.
+    scheduler = Scheduler(
+        max_num_seqs=16,
+        max_num_batched_tokens=2048,
+        prefill_chunk_tokens=64,
+        admission_chunk_tokens=220,
+    )
+    scheduler.add(request("short", 3, max_tokens=64))
+    simulate_step(scheduler)
+    scheduler.add(request("long", 500))
+    scheduler.add(request("next", 71))
+    assert [(c.request.request_id, c.num_tokens) for c in scheduler.schedule().prefill] == [
+        ("long", 220)
+    ]
 
 
 def test_a_lone_prompt_gets_the_whole_budget():

@@ -1,0 +1,391 @@
+/* Orchard's cblas_sgemm: fast paths for the products of a decode step on the CPU, in front of
+ * the BLAS library (OpenBLAS by default) that computes everything else.
+ *
+ * Why (bench/RESULTS.md, "Small-M sgemm"): MLX's CPU backend sends every float32 matmul to
+ * cblas_sgemm. A decode step multiplies a few rows (one per sequence of the batch) by each
+ * weight matrix; a BLAS library's sgemm packs the weight panel into a buffer on every call,
+ * which at a few rows costs as much as the product itself, so the weights are read twice.
+ * And the attention of each sequence and KV head is its own tiny product (3 x 64 by 64 x 160,
+ * say), ~3,000 of them per step at batch 16, where OpenBLAS's per-call cost is 8-14 us.
+ *
+ * Fast paths (row-major only; anything else goes to the library unchanged):
+ * - A (M x K) times B^T, B stored N x K (`x @ W.T`, every Linear layer, and attention scores),
+ *   M <= max_rows: each weight row is read once, from memory, and dotted with every row of A
+ *   held in cache; split over the threads by columns of C.
+ * - A (M x K) times B, B stored K x N (attention's probabilities times values), M <= 16 and
+ *   small: one thread, no packing.
+ *
+ * Every element of C is a sum in one fixed order that depends only on K (8 lanes of FMAs, the
+ * lanes added pairwise, then the tail): a row's result does not depend on how many rows are
+ * in the batch, how the columns are split or which tile computed it.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
+                         int, float, float *, int);
+
+#if defined(__x86_64__)
+#define KERNEL __attribute__((target("avx2,fma")))
+#else
+#define KERNEL
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
+
+static sgemm_fn backend;
+static char backend_path[4096];
+static int max_rows = 64;
+static int fast = 0; /* the CPU runs the kernels */
+static int num_threads = 1;
+static atomic_long num_fast, num_forwarded;
+
+/* Products smaller than this many multiply-adds run on the calling thread only. */
+#define THREAD_MIN_WORK (1L << 17)
+/* A times B (not transposed) takes the fast path up to this many rows and multiply-adds. */
+#define NN_MAX_ROWS 16
+#define NN_MAX_WORK (1L << 20)
+/* How long a pool thread waits for the next product before it sleeps: spinning at first,
+ * then yielding its core to any other thread that wants it. */
+#define SPIN_NS 200000L
+#define YIELD_AFTER_SPINS 512
+/* Pieces of a product per thread, so a thread held back leaves its share to the others. */
+#define PIECES_PER_THREAD 6
+
+KERNEL INLINE v8 load(const float *p) { return *(const v8 *)p; }
+
+KERNEL INLINE float hsum(v8 v) {
+  float s0 = (v[0] + v[4]) + (v[1] + v[5]);
+  float s1 = (v[2] + v[6]) + (v[3] + v[7]);
+  return s0 + s1;
+}
+
+KERNEL INLINE void put(float *c, float r, float alpha, float beta) {
+  *c = beta == 0.0f ? alpha * r : alpha * r + beta * *c;
+}
+
+/* C[i][j] for MR rows of A (a, lda) and NR rows of B (b, ldb); `next`, if set, is the next
+ * block of B rows, fetched into cache meanwhile. */
+KERNEL INLINE void nt_tile(const int MR, const int NR, int K, const float *a, int lda,
+                           const float *b, int ldb, float *c, int ldc, const float *next,
+                           float alpha, float beta) {
+  v8 acc[3][4];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NR; j++) acc[i][j] = (v8){0};
+  int k = 0;
+  for (; k + 8 <= K; k += 8) {
+    if (next && !(k & 15))
+      for (int j = 0; j < NR; j++) __builtin_prefetch(next + (size_t)j * ldb + k);
+    v8 x[3];
+    for (int i = 0; i < MR; i++) x[i] = load(a + (size_t)i * lda + k);
+    for (int j = 0; j < NR; j++) {
+      v8 w = load(b + (size_t)j * ldb + k);
+      for (int i = 0; i < MR; i++) acc[i][j] += x[i] * w;
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NR; j++) {
+      float r = hsum(acc[i][j]);
+      for (int t = k; t < K; t++) r = __builtin_fmaf(a[(size_t)i * lda + t], b[(size_t)j * ldb + t], r);
+      put(c + (size_t)i * ldc + j, r, alpha, beta);
+    }
+}
+
+KERNEL static void nt_3x4(int K, const float *a, int lda, const float *b, int ldb, float *c,
+                          int ldc, const float *next, float alpha, float beta) {
+  nt_tile(3, 4, K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+}
+
+KERNEL static void nt_2x4(int K, const float *a, int lda, const float *b, int ldb, float *c,
+                          int ldc, const float *next, float alpha, float beta) {
+  nt_tile(2, 4, K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+}
+
+KERNEL static void nt_1x4(int K, const float *a, int lda, const float *b, int ldb, float *c,
+                          int ldc, const float *next, float alpha, float beta) {
+  nt_tile(1, 4, K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+}
+
+KERNEL static void nt_1x1(int K, const float *a, int lda, const float *b, int ldb, float *c,
+                          int ldc, float alpha, float beta) {
+  nt_tile(1, 1, K, a, lda, b, ldb, c, ldc, NULL, alpha, beta);
+}
+
+/* Columns [n0, n1) of C = alpha * A B^T + beta * C: four rows of B at a time (read from memory
+ * once), against the rows of A in tiles of three (then two, or one when M is 1). */
+KERNEL static void nt_columns(int M, int n0, int n1, int K, const float *A, int lda,
+                              const float *B, int ldb, float *C, int ldc, float alpha,
+                              float beta) {
+  int threes = M / 3, twos = 0, ones = 0;
+  switch (M % 3) {
+  case 1:
+    if (threes) threes--, twos = 2;
+    else ones = 1;
+    break;
+  case 2:
+    twos = 1;
+    break;
+  }
+  int n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const float *b = B + (size_t)n * ldb;
+    const float *next = n + 8 <= n1 ? b + (size_t)4 * ldb : NULL;
+    const float *a = A;
+    float *c = C + n;
+    for (int t = 0; t < threes; t++, a += (size_t)3 * lda, c += (size_t)3 * ldc, next = NULL)
+      nt_3x4(K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+    for (int t = 0; t < twos; t++, a += (size_t)2 * lda, c += (size_t)2 * ldc, next = NULL)
+      nt_2x4(K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+    if (ones) nt_1x4(K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+  }
+  for (; n < n1; n++)
+    for (int m = 0; m < M; m++)
+      nt_1x1(K, A + (size_t)m * lda, lda, B + (size_t)n * ldb, ldb, C + (size_t)m * ldc + n, ldc,
+             alpha, beta);
+}
+
+/* C = alpha * A B + beta * C, B stored K x N: per row of A, 32 columns at a time, each a
+ * chain of FMAs over k (the scalar tail in the same order). */
+KERNEL static void nn_small(int M, int N, int K, const float *A, int lda, const float *B,
+                            int ldb, float *C, int ldc, float alpha, float beta) {
+  for (int m = 0; m < M; m++) {
+    const float *a = A + (size_t)m * lda;
+    float *c = C + (size_t)m * ldc;
+    int n = 0;
+    for (; n + 32 <= N; n += 32) {
+      v8 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+      for (int k = 0; k < K; k++) {
+        const float *b = B + (size_t)k * ldb + n;
+        v8 s = (v8){0} + a[k];
+        acc0 += s * load(b);
+        acc1 += s * load(b + 8);
+        acc2 += s * load(b + 16);
+        acc3 += s * load(b + 24);
+      }
+      for (int j = 0; j < 8; j++) {
+        put(c + n + j, acc0[j], alpha, beta);
+        put(c + n + 8 + j, acc1[j], alpha, beta);
+        put(c + n + 16 + j, acc2[j], alpha, beta);
+        put(c + n + 24 + j, acc3[j], alpha, beta);
+      }
+    }
+    for (; n + 8 <= N; n += 8) {
+      v8 acc = {0};
+      for (int k = 0; k < K; k++) acc += ((v8){0} + a[k]) * load(B + (size_t)k * ldb + n);
+      for (int j = 0; j < 8; j++) put(c + n + j, acc[j], alpha, beta);
+    }
+    for (; n < N; n++) {
+      float r = 0.0f;
+      for (int k = 0; k < K; k++) r = __builtin_fmaf(a[k], B[(size_t)k * ldb + n], r);
+      put(c + n, r, alpha, beta);
+    }
+  }
+}
+
+/* The thread pool: the calling thread and `num_threads - 1` workers split a product's
+ * columns. One product at a time; a second caller meanwhile computes on its own thread. */
+typedef struct {
+  int M, N, K, lda, ldb, ldc;
+  const float *A, *B;
+  float *C;
+  float alpha, beta;
+  int chunk; /* columns per piece of work (a multiple of 4) */
+} product_t;
+
+static struct {
+  pthread_mutex_t busy;
+  pthread_mutex_t lock;
+  pthread_cond_t wake;
+  atomic_uint generation;
+  atomic_int pending;
+  atomic_int sleepers;
+  atomic_int next_column; /* the threads take pieces of the product from here */
+  int started;
+  unsigned started_at; /* the generation before the workers' first product */
+  product_t job;
+} pool = {
+    .busy = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+/* Pieces are taken, not assigned: a thread the OS holds back (the engine's own Python thread
+ * needs a core now and then) leaves its share to the others instead of making them wait. */
+KERNEL static void run_pieces(const product_t *p) {
+  for (;;) {
+    int n0 = atomic_fetch_add(&pool.next_column, p->chunk);
+    if (n0 >= p->N) return;
+    int n1 = n0 + p->chunk < p->N ? n0 + p->chunk : p->N;
+    nt_columns(p->M, n0, n1, p->K, p->A, p->lda, p->B, p->ldb, p->C, p->ldc, p->alpha, p->beta);
+  }
+}
+
+static long elapsed_ns(const struct timespec *since) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return (now.tv_sec - since->tv_sec) * 1000000000L + (now.tv_nsec - since->tv_nsec);
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
+#endif
+}
+
+static void *worker(void *arg) {
+  (void)arg;
+  unsigned seen = pool.started_at;
+  for (;;) {
+    struct timespec since;
+    clock_gettime(CLOCK_MONOTONIC, &since);
+    for (int spins = 0; atomic_load(&pool.generation) == seen; spins++) {
+      if (spins < YIELD_AFTER_SPINS) {
+        relax();
+        continue;
+      }
+      sched_yield(); /* a thread with work to do on this core goes first */
+      if ((spins & 15) == 15 && elapsed_ns(&since) > SPIN_NS) {
+        atomic_fetch_add(&pool.sleepers, 1);
+        pthread_mutex_lock(&pool.lock);
+        while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        pthread_mutex_unlock(&pool.lock);
+        atomic_fetch_sub(&pool.sleepers, 1);
+      }
+    }
+    seen = atomic_load(&pool.generation);
+    run_pieces(&pool.job);
+    atomic_fetch_sub(&pool.pending, 1);
+  }
+  return NULL;
+}
+
+static int start_pool(void) {
+  pool.started_at = atomic_load(&pool.generation);
+  for (int part = 1; part < num_threads; part++) {
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int failed = pthread_create(&thread, &attr, worker, (void *)(intptr_t)part);
+    pthread_attr_destroy(&attr);
+    if (failed) return part;
+  }
+  return num_threads;
+}
+
+static void after_fork_in_child(void) {
+  /* The pool's threads did not come along: start new ones when next needed. */
+  pthread_mutex_init(&pool.busy, NULL);
+  pthread_mutex_init(&pool.lock, NULL);
+  pthread_cond_init(&pool.wake, NULL);
+  atomic_store(&pool.pending, 0);
+  atomic_store(&pool.sleepers, 0);
+  pool.started = 0;
+}
+
+KERNEL static void nt_product(const product_t *p) {
+  long work = (long)p->M * p->N * p->K;
+  if (num_threads > 1 && work >= THREAD_MIN_WORK && p->N >= 8 * num_threads &&
+      pthread_mutex_trylock(&pool.busy) == 0) {
+    if (!pool.started) {
+      int threads = start_pool();
+      if (threads < num_threads) num_threads = threads;
+      pool.started = 1;
+    }
+    if (num_threads > 1) {
+      pool.job = *p;
+      int pieces = num_threads * PIECES_PER_THREAD;
+      pool.job.chunk = ((p->N + pieces - 1) / pieces + 3) & ~3;
+      atomic_store(&pool.next_column, 0);
+      atomic_store(&pool.pending, num_threads - 1);
+      atomic_fetch_add(&pool.generation, 1);
+      if (atomic_load(&pool.sleepers)) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+      }
+      run_pieces(&pool.job);
+      while (atomic_load(&pool.pending)) relax();
+      pthread_mutex_unlock(&pool.busy);
+      return;
+    }
+    pthread_mutex_unlock(&pool.busy);
+  }
+  nt_columns(p->M, 0, p->N, p->K, p->A, p->lda, p->B, p->ldb, p->C, p->ldc, p->alpha, p->beta);
+}
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                 const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                 int ldc) {
+  if (fast && order == ROW_MAJOR && trans_a == NO_TRANS && M > 0 && N > 0 && K > 0 &&
+      M <= max_rows) {
+    if (trans_b == TRANS) {
+      product_t p = {M, N, K, lda, ldb, ldc, A, B, C, alpha, beta, 1};
+      nt_product(&p);
+      atomic_fetch_add_explicit(&num_fast, 1, memory_order_relaxed);
+      return;
+    }
+    if (trans_b == NO_TRANS && M <= NN_MAX_ROWS && (long)M * N * K <= NN_MAX_WORK) {
+      nn_small(M, N, K, A, lda, B, ldb, C, ldc, alpha, beta);
+      atomic_fetch_add_explicit(&num_fast, 1, memory_order_relaxed);
+      return;
+    }
+  }
+  atomic_fetch_add_explicit(&num_forwarded, 1, memory_order_relaxed);
+  backend(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+/* Set the library every other product goes to, the threads and the most rows of A the fast
+ * paths take (0: none, forward everything). Returns 0, or -1 when the library has no
+ * cblas_sgemm (nothing changes then). */
+int orchard_sgemm_init(const char *library, int threads, int rows) {
+  void *handle = dlopen(library, RTLD_NOW | RTLD_LOCAL);
+  if (!handle) return -1;
+  sgemm_fn found = (sgemm_fn)dlsym(handle, "cblas_sgemm");
+  if (!found || found == cblas_sgemm) return -1;
+  backend = found;
+  strncpy(backend_path, library, sizeof backend_path - 1);
+  num_threads = threads < 1 ? 1 : threads;
+  max_rows = rows < 0 ? 0 : rows;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  int supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  int supported = 1;
+#endif
+  fast = supported;
+  static int registered = 0;
+  if (!registered) {
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+    registered = 1;
+  }
+  return 0;
+}
+
+/* The most rows of A the fast paths take from now on (0: hand every product to the library);
+ * returns the previous value. For measuring both ways in one process. */
+int orchard_sgemm_set_max_rows(int rows) {
+  int previous = max_rows;
+  max_rows = rows < 0 ? 0 : rows;
+  return previous;
+}
+
+const char *orchard_sgemm_backend(void) { return backend_path; }
+
+/* Whether the fast paths are on (the CPU has what they need and max_rows > 0). */
+int orchard_sgemm_fast(void) { return fast && max_rows > 0; }
+
+/* Products taken by the fast paths and forwarded to the library since the start. */
+void orchard_sgemm_counts(long *fast_products, long *forwarded) {
+  *fast_products = atomic_load(&num_fast);
+  *forwarded = atomic_load(&num_forwarded);
+}
