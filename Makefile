@@ -33,7 +33,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-blas clean
+.PHONY: setup serve test lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-blas bench-sgemm clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,10 @@ bench-workers: setup
 # OpenBLAS against BLIS (Debian) and MKL (PyPI, into var/cache/blas) at 1 and 2 threads.
 bench-blas: setup
 	$(PY) bench/blas.py --busy
+
+# Orchard's cblas_sgemm (engine/native/sgemm.c) against the BLAS alone.
+bench-sgemm: setup
+	$(PY) bench/sgemm.py
 
 bench-serve: setup
 	$(PY) bench/serve_compare.py
