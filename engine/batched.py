@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
+from collections import deque
 
 import mlx.core as mx
 
@@ -108,7 +110,7 @@ class BatchedEngine(EngineLoop):
             and self.scheduler.decodes_only_after(plan)
         )
         sampled = self.runner.execute(plan, run_ahead=run_ahead)
-        self.pacer.record(plan, time.perf_counter() - started_at)
+        self.pacer.record(plan, self.runner.prefill_seconds)
         self.scheduler.prefill_chunk_tokens = self.pacer.chunk_tokens
         self.scheduler.admission_chunk_tokens = self.pacer.admission_tokens
         if self.speculator is not None:
@@ -182,7 +184,13 @@ class BatchedEngine(EngineLoop):
 class PrefillPacer:
     """How many prompt tokens a step may prefill while other sequences decode: `fixed` if the
     model sets it, else what the measured prefill speed computes in TARGET_STEP_S, so a long
-    prompt arriving delays each running stream's next token by about that much."""
+    prompt arriving delays each running stream's next token by about that much.
+
+    The speed comes from the runner's timing of each step's prefill alone (engine/runner.py),
+    not from the step's time: a step beside many decoding rows spends much of it on them, and
+    subtracting an estimate of their share failed where it mattered most (a burst admitted
+    beside a growing batch: every step mixed, at batch sizes no decode-only step had
+    measured, so the chunks shrank step after step, to 30 tokens beside 50 rows)."""
 
     TARGET_STEP_S = 0.25
     # While a burst of prompts is admitted and nothing decodes yet (fair admission in
@@ -191,39 +199,27 @@ class PrefillPacer:
     ADMISSION_STEP_S = 1.0
     MIN_TOKENS = 16
     START_TOKENS = 256
+    # The speed is the median of the last few steps' figures: one step slowed by something
+    # else (a burst of requests arriving keeps the rest of the process busy) is outvoted.
+    WINDOW = 5
 
     def __init__(self, *, fixed: int | None, limit: int):
         self.fixed = fixed
         self.limit = limit
         self.chunk_tokens = fixed or min(limit, self.START_TOKENS)
         self.admission_tokens = min(limit, 4 * self.chunk_tokens)
-        self._seconds_per_token: float | None = None
-        self._decode_s: dict[int, float] = {}  # decode-only step time by rows (power of two)
+        self._recent: deque[float] = deque(maxlen=self.WINDOW)  # seconds per prompt token
 
-    def record(self, plan: SchedulerOutput, elapsed_s: float) -> None:
+    def record(self, plan: SchedulerOutput, prefill_s: float | None) -> None:
+        """After a step: `prefill_s`, the seconds its prefill took (None: it had none)."""
         num_prefill = sum(chunk.num_tokens for chunk in plan.prefill)
-        if plan.decode and not plan.prefill:
-            bucket = len(plan.decode).bit_length()
-            previous = self._decode_s.get(bucket)
-            self._decode_s[bucket] = (
-                elapsed_s if previous is None else 0.7 * previous + 0.3 * elapsed_s
-            )
-        if self.fixed or num_prefill < self.MIN_TOKENS:
+        if self.fixed or prefill_s is None or num_prefill < self.MIN_TOKENS:
             return
-        # A step beside many decoding rows spends much of its time on them: their share (as
-        # a decode-only step of that size measured) is not prefill time. Without a figure yet
-        # it all counts, which errs toward smaller chunks.
-        if plan.decode:
-            decode_s = self._decode_s.get(len(plan.decode).bit_length(), 0.0)
-            elapsed_s = max(elapsed_s - decode_s, 0.25 * elapsed_s)
-        per_token = elapsed_s / num_prefill
-        previous = self._seconds_per_token
-        self._seconds_per_token = (
-            per_token if previous is None else 0.7 * previous + 0.3 * per_token
-        )
-        tokens = int(self.TARGET_STEP_S / self._seconds_per_token)
+        self._recent.append(prefill_s / num_prefill)
+        seconds_per_token = statistics.median(self._recent)
+        tokens = int(self.TARGET_STEP_S / seconds_per_token)
         self.chunk_tokens = max(self.MIN_TOKENS, min(self.limit, tokens))
-        tokens = int(self.ADMISSION_STEP_S / self._seconds_per_token)
+        tokens = int(self.ADMISSION_STEP_S / seconds_per_token)
         self.admission_tokens = max(self.MIN_TOKENS, min(self.limit, tokens))
 
 

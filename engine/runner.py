@@ -17,6 +17,7 @@ sequence that finishes is inserted into the cache for later requests.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -98,6 +99,15 @@ class _Prefilled:
     sampled: list[tuple[list[Sequence], SampleResult]] = field(default_factory=list)
     sampled_cache: Cache | None = None
 
+    @property
+    def arrays(self) -> list:
+        """What the prefill computed (caches and first tokens), to wait for."""
+        caches = [c for c in (self.cache, self.sampled_cache) if c is not None]
+        return [
+            *(layer.state for cache in caches for layer in cache),
+            *(result_arrays(result) for _, result in self.sampled),
+        ]
+
 
 @dataclass
 class _Verify:
@@ -134,6 +144,7 @@ class BatchRunner:
         self._cache: Cache | None = None
         self._prefill_caches: dict[str, Cache] = {}
         self._ahead: tuple[list[Sequence], SampleResult] | None = None
+        self.prefill_seconds: float | None = None  # of the last step's prefill
 
     @property
     def num_rows(self) -> int:
@@ -177,7 +188,16 @@ class BatchRunner:
         assert {id(seq) for seq in self._rows} == {id(seq) for seq in plan.decode}, (
             "rows out of sync"
         )
+        started = time.perf_counter()
         done = self._prefill(plan)
+        self.prefill_seconds = None
+        if plan.prefill:
+            # How long the prefill took on its own (the engine sizes prefill chunks from it):
+            # on the CPU it is done by now; elsewhere this waits for work the step waits for
+            # anyway, before the decode forward is queued.
+            partial = [self._prefill_caches.get(chunk.request.request_id) for chunk in plan.prefill]
+            mx.eval(done.arrays, [layer.state for c in partial if c is not None for layer in c])
+            self.prefill_seconds = time.perf_counter() - started
         batches = []
         verified: list[Sampled] | None = None
         if self._ahead is not None:

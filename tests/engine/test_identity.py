@@ -15,7 +15,14 @@ from engine.batched import BatchedEngine
 from engine.protocol import SamplingParams
 from engine.runner import BatchRunner
 from engine.scheduler import Scheduler
-from tests.engine.conftest import greedy, make_request, run_batched, run_simple
+from tests.engine.conftest import (
+    Collector,
+    greedy,
+    make_request,
+    manual_engine,
+    run_batched,
+    run_simple,
+)
 
 MAX_TOKENS = 10
 
@@ -210,3 +217,15 @@ def test_a_prompts_last_logits_are_projected_alone_and_equal_the_models_own(tiny
     got = forward(tokens, runner.make_cache(model), [4, 2])
     full = model(tokens, cache=runner.make_cache(model))
     assert mx.allclose(got[0], full[0, 4], atol=1e-5) and mx.allclose(got[1], full[1, 2], atol=1e-5)
+
+
+def test_the_runner_times_each_steps_prefill_alone_for_the_pacer(tiny_llama):
+    engine = manual_engine(tiny_llama)
+    collector = Collector()
+    for i, length in enumerate((40, 3)):
+        request = make_request(f"r{i}", range(1000, 1000 + length), greedy(3, ignore_eos=True))
+        engine.scheduler.add(engine.make_request(request, collector.emit_for(request.request_id)))
+    engine.step()  # both prompts prefill (and sample their first tokens)
+    assert engine.runner.prefill_seconds is not None and engine.runner.prefill_seconds > 0
+    engine.step()  # decode only
+    assert engine.runner.prefill_seconds is None

@@ -281,15 +281,30 @@ def test_a_lone_prompt_gets_the_whole_budget():
     assert [(c.request.request_id, c.num_tokens) for c in plan.prefill] == [("a", 700)]
 
 
-def test_the_pacer_sizes_chunks_from_prefill_time_not_the_decode_beside_it():
+def test_the_pacer_sizes_chunks_from_the_prefills_own_time_whatever_decodes_beside_it():
+    """The runner times each step's prefill alone: a burst admitted beside a growing batch
+    (every step mixed, at batch sizes no decode-only step measured) keeps its chunk sizes."""
     pacer = PrefillPacer(fixed=None, limit=4096)
-    rows = [request(f"d{i}", 3).sequences[0] for i in range(40)]
     prompt = request("p", 2000)
-    # 40 rows decode in 0.3 s; 200 prompt tokens beside them take 0.3 + 0.2 s.
-    for _ in range(5):
-        pacer.record(SchedulerOutput(decode=rows), 0.3)
-        pacer.record(SchedulerOutput(decode=rows, prefill=[PrefillChunk(prompt, 0, 200)]), 0.5)
-    # 1 ms a prompt token: a 0.25 s chunk is ~250 tokens and an admission step ~1000, where
-    # counting the decode as prefill would have made them 100 and 400.
+    for size in (0, 4, 10, 22, 40, 60):
+        rows = [request(f"d{i}", 3).sequences[0] for i in range(size)]
+        for _ in range(3):  # 1 ms a prompt token, however long the steps' decode takes
+            pacer.record(SchedulerOutput(decode=rows, prefill=[PrefillChunk(prompt, 0, 200)]), 0.2)
+        assert 230 <= pacer.chunk_tokens <= 260
+        assert 950 <= pacer.admission_tokens <= 1010
+    # A step without prefill, or with a few tokens only, says nothing about its speed.
+    pacer.record(SchedulerOutput(decode=rows), None)
+    pacer.record(SchedulerOutput(prefill=[PrefillChunk(prompt, 0, 3)]), 5.0)
     assert 230 <= pacer.chunk_tokens <= 260
-    assert 950 <= pacer.admission_tokens <= 1010
+
+
+def test_one_slow_step_is_forgotten_within_a_few():
+    """A prefill slowed by something else (a burst of requests arriving keeps the web side of
+    the process busy) must not leave the chunks small for the rest of the burst."""
+    pacer = PrefillPacer(fixed=None, limit=4096)
+    prompt = request("p", 2000)
+    pacer.record(SchedulerOutput(prefill=[PrefillChunk(prompt, 0, 70)]), 1.3)  # 18 ms a token
+    assert pacer.admission_tokens < 60
+    for _ in range(2):
+        pacer.record(SchedulerOutput(prefill=[PrefillChunk(prompt, 0, 140)]), 0.42)  # 3 ms
+    assert 320 <= pacer.admission_tokens <= 340
