@@ -7,7 +7,9 @@ alternated, each keeping its best of `--repeat`: "edit" (the chat template aroun
 typos in this text", a different ~150-word passage per stream; greedy, up to 200 tokens, EOS
 ends a reply: the model copies most of its input) and "random" (random-token prompts, 64
 tokens, EOS ignored: nothing to look up, so this measures what drafting costs when it fails).
-Greedy outputs must be identical with and without; the run stops if they are not. Orchard's
+With `--draft-model PATH` (or `self`: the default model drafting for itself) each row is also
+run with that model proposing the drafts (engine/draft_model.py). Greedy outputs must be
+identical with and without; the run stops if they are not. Orchard's
 `BatchedEngine` is stepped on this thread (no HTTP). Results go in bench/RESULTS.md.
 """
 
@@ -89,9 +91,15 @@ def workload(loaded: LoadedModel, kind: str, streams: int) -> list[GenerationReq
     ]
 
 
-def run(loaded: LoadedModel, requests: list[GenerationRequest], draft: int):
-    """(generated tokens, seconds, outputs, drafted, accepted) on a fresh engine."""
-    spec = ModelSpec(name="bench", path="-", speculative_tokens=draft)
+def run(
+    loaded: LoadedModel,
+    requests: list[GenerationRequest],
+    draft: int,
+    draft_path: str | None = None,
+):
+    """(generated tokens, seconds, outputs, drafted, accepted) on a fresh engine; with
+    `draft_path`, a draft model proposes the drafts."""
+    spec = ModelSpec(name="bench", path="-", speculative_tokens=draft, draft_path=draft_path)
     eng = BatchedEngine(spec, lambda: loaded)
     eng.loaded = loaded
     eng.ready.set_result(loaded.info)
@@ -117,8 +125,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="also run with this model folder drafting ('self': the default model for itself)",
+    )
     args = parser.parse_args()
     loaded = load_model(default_model(), name="bench")
+    draft_path = str(default_model()) if args.draft_model == "self" else args.draft_model
     load_before = os.getloadavg()
     run(loaded, workload(loaded, "random", 1), DRAFT_TOKENS)  # warm up kernels and shapes
     rows = []
@@ -134,19 +148,31 @@ def main() -> None:
             off, on = best[0], best[DRAFT_TOKENS]
             if on[2] != off[2]:
                 raise SystemExit(f"{kind} x{streams}: outputs differ with speculation")
-            row = (kind, streams, off[0], off[0] / off[1], on[0] / on[1], on[3], on[4])
-            rows.append(row)
-            print(
-                f"{kind:6} streams={streams}: {row[2]} tokens, {row[3]:.1f} -> {row[4]:.1f} tok/s "
-                f"({row[4] / row[3]:.2f}x), drafted {row[5]}, accepted {row[6]}",
-                flush=True,
-            )
+            variants = [(kind, on)]
+            if draft_path:
+                with_model = min(
+                    (run(loaded, requests, DRAFT_TOKENS, draft_path) for _ in range(args.repeat)),
+                    key=lambda result: result[1],
+                )
+                if with_model[2] != off[2]:
+                    raise SystemExit(f"{kind} x{streams}: outputs differ with the draft model")
+                variants.append((f"{kind}, draft model {args.draft_model}", with_model))
+            for name, result in variants:
+                row = (name, streams, off[0], off[0] / off[1], result[0] / result[1], *result[3:])
+                rows.append(row)
+                print(
+                    f"{name:6} streams={streams}: {row[2]} tokens, {row[3]:.1f} -> "
+                    f"{row[4]:.1f} tok/s ({row[4] / row[3]:.2f}x), drafted {row[5]}, "
+                    f"accepted {row[6]}",
+                    flush=True,
+                )
     load_after = os.getloadavg()
     if args.no_write:
         return
     lines = [
         f"Command: `.venv/bin/python bench/speculative.py --repeat {args.repeat} "
-        f"--streams {' '.join(map(str, args.streams))}`",
+        f"--streams {' '.join(map(str, args.streams))}"
+        + (f" --draft-model {args.draft_model}`" if args.draft_model else "`"),
         "",
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Machine: "
         f"{os.cpu_count()} CPU cores ({platform.machine()}). Load average (1, 5, 15 min) "

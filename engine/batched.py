@@ -11,6 +11,8 @@ from collections import deque
 
 import mlx.core as mx
 
+from engine.draft_model import DraftModel, DraftModelError
+from engine.loader import load_model
 from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
 from engine.protocol import GenerationRequest, ModelInfo, RequestStatus
 from engine.request import Emit
@@ -41,9 +43,23 @@ class BatchedEngine(EngineLoop):
         # attention caches; recurrent state cannot be trimmed, so hybrid models (and caches
         # of other kinds) never speculate.
         can_trim = self.layout is not None and set(self.layout.kinds) == {"kv"}
+        speculating = can_trim and self.spec.speculative_tokens > 0
+        # A draft model proposes the drafts where the registry names one (else prompt lookup).
+        self.draft_model: DraftModel | None = None
+        if self.spec.draft_path and speculating:
+            draft = load_model(self.spec.draft_path)
+            self.draft_model = DraftModel(draft, target=self.loaded)
+        elif self.spec.draft_path and self.spec.speculative_tokens > 0:
+            raise DraftModelError(
+                f"{self.spec.name} cannot take drafts: its cache has state other than "
+                "attention keys and values, which a rejected draft cannot be cut from."
+            )
         self.speculator = (
-            Speculator(num_tokens=self.spec.speculative_tokens)
-            if can_trim and self.spec.speculative_tokens > 0
+            Speculator(
+                num_tokens=self.spec.speculative_tokens,
+                draft_model=self.draft_model is not None,
+            )
+            if speculating
             else None
         )
         self.scheduler = Scheduler(
@@ -100,9 +116,11 @@ class BatchedEngine(EngineLoop):
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
-        if plan.drafts and self.runner.running_ahead:
-            plan.drafts = {}  # this step's decode already runs, fed one token per row
-        started_at = time.perf_counter()
+        started_at = time.perf_counter()  # drafting is part of what a step with drafts costs
+        if self.runner.running_ahead:
+            plan.drafts, plan.draft_lengths = {}, {}  # this step's decode already runs
+        if plan.draft_lengths:
+            self._draft(plan)
         run_ahead = (
             self.overlaps
             and not plan.drafts
@@ -135,9 +153,21 @@ class BatchedEngine(EngineLoop):
                 self.finish(item.seq.request, RequestStatus.FINISHED_ERROR, describe(exc))
         finished = self.scheduler.remove_finished()
         if self.speculator is not None:
-            self.speculator.forget([seq for request in finished for seq in request.sequences])
+            self._forget(finished)
         self.runner.release_finished()
         self._meter.record_step(time.perf_counter() - started_at, plan, len(sampled))
+
+    def _draft(self, plan: SchedulerOutput) -> None:
+        """The draft model's proposals for the rows the scheduler chose; a failure there costs
+        this step its drafts, not anyone's request."""
+        seqs = [seq for seq in plan.decode if id(seq) in plan.draft_lengths]
+        try:
+            drafts = self.draft_model.draft(seqs, [plan.draft_lengths[id(s)] for s in seqs])
+        except Exception:
+            logger.exception("the draft model of %s failed; this step runs without", self.spec.name)
+            self.draft_model.forget(seqs)
+            return
+        plan.drafts = {id(seq): draft for seq, draft in zip(seqs, drafts, strict=True) if draft}
 
     def _add(self, payload: tuple[GenerationRequest, Emit, int]) -> None:
         request = self.admit(payload)
@@ -149,9 +179,17 @@ class BatchedEngine(EngineLoop):
             logger.exception("could not queue request %s", request.request_id)
             self.finish(request, RequestStatus.FINISHED_ERROR, describe(exc))
 
+    def _forget(self, requests: list) -> None:
+        seqs = [seq for request in requests for seq in request.sequences]
+        self.speculator.forget(seqs)
+        if self.draft_model is not None:
+            self.draft_model.forget(seqs)
+
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.remove(request_id)
         if request is not None:
+            if self.speculator is not None:
+                self._forget([request])
             self._drop_hit(request)
             self.finish(request, RequestStatus.FINISHED_ABORTED)
             self.runner.release(request_id)
@@ -160,6 +198,8 @@ class BatchedEngine(EngineLoop):
     def _fail_running(self, error: str) -> None:
         for request in list(self.scheduler.running):
             self.scheduler.remove(request.request_id)
+            if self.speculator is not None:
+                self._forget([request])
             self._drop_hit(request)
             self.finish(request, RequestStatus.FINISHED_ERROR, error)
         self.runner.reset()
@@ -179,6 +219,7 @@ class BatchedEngine(EngineLoop):
         self.end_inbox(status, error)
         self._publish(0, 0)
         self.runner.reset()
+        self.draft_model = None  # its weights go with the engine's (EngineLoop._release)
 
 
 class PrefillPacer:

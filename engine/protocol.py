@@ -113,9 +113,11 @@ class ModelSpec:
     # 0: no prefix cache).
     memory_budget_bytes: int | None = None
     prefix_cache_bytes: int | None = None
-    # Speculative decoding by prompt lookup (engine/speculative.py): the longest draft a
-    # decode step checks per sequence; 0: off.
+    # Speculative decoding (engine/speculative.py): the longest draft a decode step checks per
+    # sequence; 0: off. Drafts come from `draft_path`'s model where set (a smaller model of
+    # the same tokenizer, engine/draft_model.py), else by prompt lookup.
     speculative_tokens: int = 0
+    draft_path: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -80,6 +80,9 @@ class SchedulerOutput:
     # many of a row's draft tokens it kept.
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     accepted: dict[int, int] = field(default_factory=dict)
+    # With a draft model: the rows it drafts for this step and how far, by id(seq); the
+    # engine fills `drafts` from it before the runner runs the step.
+    draft_lengths: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -146,10 +149,13 @@ class Scheduler:
         budget -= len(output.decode)
         if self.speculator is not None and output.decode:
             output.drafts = self.speculator.drafts(output.decode)
-            drafted = sum(len(draft) for draft in output.drafts.values())
+            output.draft_lengths = self.speculator.draft_lengths(output.decode)
+            drafted = sum(len(d) for d in output.drafts.values())
+            drafted += sum(output.draft_lengths.values())
             if drafted > budget:
-                output.drafts = {}
-            budget -= sum(len(draft) for draft in output.drafts.values())
+                output.drafts, output.draft_lengths = {}, {}
+                drafted = 0
+            budget -= drafted
         burst = bool(self.admission_chunk_tokens) and self._num_prefilling() > 1
         if burst:
             # A burst: bigger steps than a lone prompt gets beside the decode, so few decode

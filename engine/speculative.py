@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup: drafts from the sequence's own tokens.
+"""Speculative decoding: drafts by prompt lookup from the sequence's own tokens, or from a
+draft model (engine/draft_model.py), checked in one forward of the served model.
 
 Agents, code edits and summaries repeat their input; a sequence whose last few tokens occurred
 before is likely to continue as it did then. `NgramDrafter` finds the most recent earlier
@@ -85,6 +86,7 @@ class Speculator:
 
     num_tokens: int
     max_rows: int = 4
+    draft_model: bool = False  # a draft model proposes (engine/draft_model.py), not lookup
     min_ngram: int = 2
     max_ngram: int = 4
     min_acceptance: float = 0.3
@@ -101,13 +103,34 @@ class Speculator:
     RATE_WEIGHT = 0.25  # of a new step in the moving averages
 
     def drafts(self, decode: list[Sequence]) -> dict[int, tuple[int, ...]]:
-        """The draft of each decode row that drafts this step, by `id(seq)`."""
-        self._steps += 1
-        if not decode or len(decode) > self.max_rows or self.num_tokens <= 0:
-            return {}
-        if self.adaptive and not self._pays_off(len(decode)):
+        """The prompt-lookup draft of each decode row that drafts this step, by `id(seq)`
+        (none when a draft model proposes: see `draft_lengths`)."""
+        if self.draft_model:
             return {}
         out: dict[int, tuple[int, ...]] = {}
+        for seq, stats, length in self._drafting(decode):
+            tokens = (*seq.request.prompt_token_ids, *seq.output_token_ids)
+            draft = stats.drafter.propose(tokens, length)
+            if draft:
+                out[id(seq)] = draft
+        return out
+
+    def draft_lengths(self, decode: list[Sequence]) -> dict[int, int]:
+        """With a draft model: how many tokens it drafts for each row that drafts this step, by
+        `id(seq)` (the engine has it propose them before the step runs)."""
+        if not self.draft_model:
+            return {}
+        return {id(seq): length for seq, _, length in self._drafting(decode)}
+
+    def _drafting(self, decode: list[Sequence]) -> list[tuple[Sequence, _RowStats, int]]:
+        """The rows that draft this step, with their stats and the longest draft each may
+        have. Called once a step."""
+        self._steps += 1
+        if not decode or len(decode) > self.max_rows or self.num_tokens <= 0:
+            return []
+        if self.adaptive and not self._pays_off(len(decode)):
+            return []
+        out = []
         for seq in decode:
             if seq.constraint is not None or seq.sampling_state.depends_on_history:
                 continue
@@ -119,10 +142,8 @@ class Speculator:
                 continue
             # Never past max_tokens: the last token a row may emit comes from its own position.
             room = seq.request.max_tokens - len(seq.output_token_ids) - 1
-            tokens = (*seq.request.prompt_token_ids, *seq.output_token_ids)
-            draft = stats.drafter.propose(tokens, min(self.num_tokens, room))
-            if draft:
-                out[id(seq)] = draft
+            if room > 0:
+                out.append((seq, stats, min(self.num_tokens, room)))
         return out
 
     def record(self, decode: list[Sequence], drafts: dict, accepted: dict[int, int]) -> None:

@@ -92,6 +92,7 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
                     "max_num_batched_tokens",
                     "max_waiting",
                     "speculative_tokens",
+                    "draft_model",
                 ]
             },
         ),

@@ -59,7 +59,7 @@ def enabled_chat_specs() -> list:
     from inference.services.registry import model_spec
 
     entries = ModelEntry.objects.filter(enabled=True, kind=ModelEntry.Kind.CHAT)
-    return [model_spec(entry) for entry in entries]
+    return [model_spec(entry) for entry in entries.select_related("draft_model")]
 
 
 def registry_changed() -> None:
@@ -85,7 +85,7 @@ def preload_models() -> None:
     from inference.services.registry import model_spec
 
     try:
-        entries = list(ModelEntry.objects.filter(enabled=True))
+        entries = list(ModelEntry.objects.filter(enabled=True).select_related("draft_model"))
     except Exception:
         logger.warning("model preload skipped: the database is not ready (run migrate)")
         return

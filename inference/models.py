@@ -82,9 +82,20 @@ class ModelEntry(models.Model):
     speculative_tokens = models.PositiveSmallIntegerField(
         default=4,
         validators=[MaxValueValidator(16)],
-        help_text="Speculative decoding by prompt lookup: the longest draft a step checks per "
-        "sequence, taken from the sequence's own earlier tokens (agents and edits repeat "
-        "their input). Greedy and seeded outputs are unchanged; small batches only. 0: off.",
+        help_text="Speculative decoding: the longest draft a step checks per sequence, taken "
+        "from the draft model if one is set, else from the sequence's own earlier tokens "
+        "(agents and edits repeat their input). Greedy and seeded outputs are unchanged; "
+        "small batches only. 0: off.",
+    )
+    draft_model = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="drafts_for",
+        limit_choices_to={"kind": "chat"},
+        help_text="A smaller model of the same family (the same tokenizer) whose guesses of the "
+        "next tokens this model checks in one step. Empty: guesses by prompt lookup.",
     )
     prefix_cache_bytes = models.PositiveBigIntegerField(
         null=True,
@@ -115,6 +126,14 @@ class ModelEntry(models.Model):
             raise ValidationError({"enabled": ERROR_DEFAULT_MUST_BE_ENABLED})
         if self.is_default and self.kind != self.Kind.CHAT:
             raise ValidationError({"is_default": "The default model must be a chat model."})
+        if self.draft_model_id is not None:
+            draft = self.draft_model
+            if self.kind != self.Kind.CHAT:
+                raise ValidationError({"draft_model": "Only chat models take a draft model."})
+            if draft.pk == self.pk:
+                raise ValidationError({"draft_model": "A model cannot be its own draft model."})
+            if draft.kind != self.Kind.CHAT:
+                raise ValidationError({"draft_model": "The draft model must be a chat model."})
         defaults = self.default_sampling
         if not isinstance(defaults, dict):
             raise ValidationError({"default_sampling": "Must be a JSON object."})

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from accounts.models import ApiKey
@@ -20,9 +21,11 @@ def model_register(
     reasoning_parser: str = "",
     make_default: bool = False,
     kind: str = ModelEntry.Kind.CHAT,
+    draft_model: str | None = None,
 ) -> ModelEntry:
     """Add or update a registry entry for an mlx-lm model folder (or, with kind "embedding",
-    a sentence-transformers encoder folder)."""
+    a sentence-transformers encoder folder); `draft_model` names a registered chat model that
+    drafts for it (speculative decoding)."""
     folder = Path(path).expanduser().resolve()
     if kind not in ModelEntry.Kind.values:
         raise ValueError(f"Unknown kind {kind!r}; choose from {', '.join(ModelEntry.Kind)}.")
@@ -51,6 +54,15 @@ def model_register(
             "kind": kind,
         },
     )
+    if draft_model is not None:
+        entry.draft_model = ModelEntry.objects.filter(name=draft_model).first()
+        if entry.draft_model is None:
+            raise ValueError(f"No registered model is called {draft_model!r}.")
+        try:
+            entry.full_clean()
+        except ValidationError as exc:
+            raise ValueError(" ".join(exc.messages)) from None
+        entry.save(update_fields=["draft_model"])
     if kind == ModelEntry.Kind.CHAT and (
         make_default or not ModelEntry.objects.filter(is_default=True).exists()
     ):
@@ -79,11 +91,12 @@ def model_spec(entry: ModelEntry) -> ModelSpec:
         memory_budget_bytes=entry.memory_budget_bytes,
         prefix_cache_bytes=entry.prefix_cache_bytes,
         speculative_tokens=entry.speculative_tokens,
+        draft_path=entry.draft_model.path if entry.draft_model_id is not None else None,
     )
 
 
 def models_for_key(api_key: ApiKey) -> list[ModelEntry]:
-    entries = ModelEntry.objects.filter(enabled=True)
+    entries = ModelEntry.objects.filter(enabled=True).select_related("draft_model")
     if not api_key.all_models:
         entries = entries.filter(name__in=api_key.allowed_models)
     return list(entries)
@@ -94,7 +107,7 @@ def model_for_key(api_key: ApiKey, name: str) -> ModelEntry | None:
     404 either way, so a key cannot probe for models it may not use)."""
     if not _is_model_name(name) or not api_key.allows_model(name):
         return None
-    return ModelEntry.objects.filter(enabled=True, name=name).first()
+    return ModelEntry.objects.filter(enabled=True, name=name).select_related("draft_model").first()
 
 
 def _is_model_name(name: str) -> bool:

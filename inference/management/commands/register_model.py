@@ -31,6 +31,12 @@ class Command(BaseCommand):
             help="empty (the default): detected from the chat template",
         )
         parser.add_argument("--default", action="store_true", help="make it the default model")
+        parser.add_argument(
+            "--draft-model",
+            default=None,
+            help="a registered chat model of the same tokenizer that drafts for this one "
+            "(speculative decoding)",
+        )
 
     def handle(self, *args, **options):
         try:
@@ -42,6 +48,7 @@ class Command(BaseCommand):
                 reasoning_parser=options["reasoning_parser"],
                 make_default=options["default"],
                 kind=options["kind"],
+                draft_model=options["draft_model"],
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None

@@ -72,3 +72,40 @@ def test_odd_model_names_match_nothing_without_asking_the_database(
         with django_assert_num_queries(0):
             assert model_for_key(api_key, name) is None
     assert model_for_key(api_key, "m").name == "m"
+
+
+@pytest.mark.django_db
+def test_a_draft_model_reaches_the_engine_spec_and_is_checked(tiny_model_path, tmp_path):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    from inference.models import ModelEntry
+    from inference.services.registry import model_spec
+
+    draft = model_register(name="small", path=tiny_model_path)
+    entry = model_register(name="big", path=tiny_model_path, draft_model="small")
+    assert model_spec(entry).draft_path == draft.path
+    assert model_spec(draft).draft_path is None
+    # The selectors the API uses bring the draft model along (no query from async code).
+    key_entry = ModelEntry.objects.filter(name="big").select_related("draft_model").get()
+    assert model_spec(key_entry).draft_path == draft.path
+
+    with pytest.raises(ValueError, match="No registered model"):
+        model_register(name="big", path=tiny_model_path, draft_model="missing")
+    with pytest.raises(ValueError, match="its own draft model"):
+        model_register(name="small", path=tiny_model_path, draft_model="small")
+    embedder = model_register(name="embedder", path=tiny_model_path, kind="embedding")
+    with pytest.raises(ValueError, match="must be a chat model"):
+        model_register(name="big", path=tiny_model_path, draft_model="embedder")
+    embedder.draft_model = draft
+    with pytest.raises(ValidationError) as caught:
+        embedder.full_clean()
+    assert "draft_model" in caught.value.message_dict
+
+    call_command("register_model", "other", tiny_model_path, "--draft-model", "big")
+    assert ModelEntry.objects.get(name="other").draft_model.name == "big"
+    with pytest.raises(CommandError, match="No registered model"):
+        call_command("register_model", "other", tiny_model_path, "--draft-model", "nope")
+    # Deleting the draft model leaves the models it drafted for without one.
+    draft.delete()
+    assert ModelEntry.objects.get(name="big").draft_model is None
