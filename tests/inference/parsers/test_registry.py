@@ -32,7 +32,9 @@ def test_the_registry_lists_every_parser_the_issue_names():
 def test_admin_command_and_validation_offer_exactly_the_registry(admin_user, rf):
     from django.contrib.admin.sites import site
 
-    form = ModelEntryAdmin(ModelEntry, site).get_form(rf.get("/"))()
+    request = rf.get("/")
+    request.user = admin_user  # the draft model's field asks what the user may add
+    form = ModelEntryAdmin(ModelEntry, site).get_form(request)()
     assert [value for value, _ in form.fields["tool_parser"].choices] == ["", *TOOL_PARSERS]
     assert [value for value, _ in form.fields["reasoning_parser"].choices] == [
         "",
