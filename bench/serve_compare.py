@@ -47,7 +47,7 @@ import httpx  # noqa: E402
 
 from bench.api import MODEL, MODEL_DIR, load_average, setup_home, wait_for_quiet, write_results  # noqa: E402
 from bench.prefix import WORDS  # noqa: E402
-from engine.blas import find_blas  # noqa: E402
+from engine.blas import fast_sgemm_wanted, find_blas  # noqa: E402
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
 SECTION_TITLE = "# Orchard against mlx_lm.server (bench/serve_compare.py)"
@@ -334,7 +334,12 @@ def main() -> None:
             f"{os.cpu_count()} CPU cores ({platform.machine()}), both servers up all run, one "
             f"generating at a time. Load average before: {load_before}; after: {load_after}. "
             f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, openai {version('openai')}; "
-            f"both servers preload `{blas}` (RTLD_GLOBAL, before mlx).",
+            f"both servers preload `{blas}` (RTLD_GLOBAL, before mlx); Orchard "
+            + (
+                "puts its own cblas_sgemm in front of it (engine/native/sgemm.c)."
+                if fast_sgemm_wanted()
+                else "without its own cblas_sgemm (ORCHARD_FAST_SGEMM=0)."
+            ),
             "",
             f"Orchard: daphne + config.asgi, `{MODEL}` with the registry's defaults ({registry}), "
             f"a key without limits, `ignore_eos: true`. {PEER}: `--model "
