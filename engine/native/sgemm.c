@@ -74,18 +74,26 @@ KERNEL INLINE void put(float *c, float r, float alpha, float beta) {
   *c = beta == 0.0f ? alpha * r : alpha * r + beta * *c;
 }
 
-/* C[i][j] for MR rows of A (a, lda) and NR rows of B (b, ldb); `next`, if set, is the next
- * block of B rows, fetched into cache meanwhile. */
+/* The cache lines of a block of four B rows (K floats each), numbered row by row within each
+ * 16-float stretch of K: line l is row l % 4, floats 16 * (l / 4) on. */
+INLINE int block_lines(int K) { return 4 * ((K + 15) / 16); }
+
+/* C[i][j] for MR rows of A (a, lda) and NR rows of B (b, ldb). `next`, if set, is the next
+ * block of four B rows: this tile fetches its lines [pf0, pf1) into cache meanwhile, spread
+ * over its loop, so that memory streams the next block while the core computes this one. */
 KERNEL INLINE void nt_tile(const int MR, const int NR, int K, const float *a, int lda,
                            const float *b, int ldb, float *c, int ldc, const float *next,
-                           float alpha, float beta) {
+                           int pf0, int pf1, float alpha, float beta) {
   v8 acc[3][4];
+  const int points = (K + 15) / 16; /* a prefetch point every 16 floats of K */
+  const int per_point = next ? (pf1 - pf0 + points - 1) / points : 0;
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NR; j++) acc[i][j] = (v8){0};
   int k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (next && !(k & 15))
-      for (int j = 0; j < NR; j++) __builtin_prefetch(next + (size_t)j * ldb + k);
+    if (per_point && !(k & 15))
+      for (int l = pf0 + (k >> 4) * per_point, end = l + per_point; l < end && l < pf1; l++)
+        __builtin_prefetch(next + (size_t)(l & 3) * ldb + (size_t)(l >> 2) * 16);
     v8 x[3];
     for (int i = 0; i < MR; i++) x[i] = load(a + (size_t)i * lda + k);
     for (int j = 0; j < NR; j++) {
@@ -102,27 +110,30 @@ KERNEL INLINE void nt_tile(const int MR, const int NR, int K, const float *a, in
 }
 
 KERNEL static void nt_3x4(int K, const float *a, int lda, const float *b, int ldb, float *c,
-                          int ldc, const float *next, float alpha, float beta) {
-  nt_tile(3, 4, K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+                          int ldc, const float *next, int pf0, int pf1, float alpha, float beta) {
+  nt_tile(3, 4, K, a, lda, b, ldb, c, ldc, next, pf0, pf1, alpha, beta);
 }
 
 KERNEL static void nt_2x4(int K, const float *a, int lda, const float *b, int ldb, float *c,
-                          int ldc, const float *next, float alpha, float beta) {
-  nt_tile(2, 4, K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+                          int ldc, const float *next, int pf0, int pf1, float alpha, float beta) {
+  nt_tile(2, 4, K, a, lda, b, ldb, c, ldc, next, pf0, pf1, alpha, beta);
 }
 
 KERNEL static void nt_1x4(int K, const float *a, int lda, const float *b, int ldb, float *c,
-                          int ldc, const float *next, float alpha, float beta) {
-  nt_tile(1, 4, K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+                          int ldc, const float *next, int pf0, int pf1, float alpha, float beta) {
+  nt_tile(1, 4, K, a, lda, b, ldb, c, ldc, next, pf0, pf1, alpha, beta);
 }
 
 KERNEL static void nt_1x1(int K, const float *a, int lda, const float *b, int ldb, float *c,
                           int ldc, float alpha, float beta) {
-  nt_tile(1, 1, K, a, lda, b, ldb, c, ldc, NULL, alpha, beta);
+  nt_tile(1, 1, K, a, lda, b, ldb, c, ldc, NULL, 0, 0, alpha, beta);
 }
 
 /* Columns [n0, n1) of C = alpha * A B^T + beta * C: four rows of B at a time (read from memory
- * once), against the rows of A in tiles of three (then two, or one when M is 1). */
+ * once), against the rows of A in tiles of three (then two, or one when M is 1). Every tile
+ * of a block prefetches its share of the next block: at 16 rows, prefetching it from the
+ * first tile alone left memory idle for the other five (bench/RESULTS.md, "Small-M sgemm":
+ * the model's weight matmuls at 16 rows went from 42 to 32 ms, at 8 rows from 31 to 23). */
 KERNEL static void nt_columns(int M, int n0, int n1, int K, const float *A, int lda,
                               const float *B, int ldb, float *C, int ldc, float alpha,
                               float beta) {
@@ -136,17 +147,22 @@ KERNEL static void nt_columns(int M, int n0, int n1, int K, const float *A, int 
     twos = 1;
     break;
   }
+  const int lines = block_lines(K), tiles = threes + twos + ones;
+  const int share = (lines + tiles - 1) / tiles;
   int n = n0;
   for (; n + 4 <= n1; n += 4) {
     const float *b = B + (size_t)n * ldb;
     const float *next = n + 8 <= n1 ? b + (size_t)4 * ldb : NULL;
     const float *a = A;
     float *c = C + n;
-    for (int t = 0; t < threes; t++, a += (size_t)3 * lda, c += (size_t)3 * ldc, next = NULL)
-      nt_3x4(K, a, lda, b, ldb, c, ldc, next, alpha, beta);
-    for (int t = 0; t < twos; t++, a += (size_t)2 * lda, c += (size_t)2 * ldc, next = NULL)
-      nt_2x4(K, a, lda, b, ldb, c, ldc, next, alpha, beta);
-    if (ones) nt_1x4(K, a, lda, b, ldb, c, ldc, next, alpha, beta);
+    int pf = 0; /* the first of the next block's lines the next tile prefetches */
+#define SHARE pf, pf + share < lines ? pf + share : lines
+    for (int t = 0; t < threes; t++, a += (size_t)3 * lda, c += (size_t)3 * ldc, pf += share)
+      nt_3x4(K, a, lda, b, ldb, c, ldc, next, SHARE, alpha, beta);
+    for (int t = 0; t < twos; t++, a += (size_t)2 * lda, c += (size_t)2 * ldc, pf += share)
+      nt_2x4(K, a, lda, b, ldb, c, ldc, next, SHARE, alpha, beta);
+    if (ones) nt_1x4(K, a, lda, b, ldb, c, ldc, next, SHARE, alpha, beta);
+#undef SHARE
   }
   for (; n < n1; n++)
     for (int m = 0; m < M; m++)
