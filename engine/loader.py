@@ -43,17 +43,19 @@ def load_model(
     path: str | Path, *, name: str | None = None, context_length: int | None = None
 ) -> LoadedModel:
     """Load weights with mlx-lm and the tokenizer by the first loader that works; on the CPU the
-    model's MLPs and attention get the fast kernels (engine/kernels/) unless
+    model's MLPs, attention and rotary embeddings get the fast kernels (engine/kernels/) unless
     ORCHARD_FAST_KERNELS=0."""
     path = Path(path)
     model, config = mlx_load_model(path)
+    context = context_length or config_context_length(config)
     if kernels.fast_kernels_enabled():
-        logger.info("%s: fast CPU kernels in %d modules", path.name, kernels.install(model))
+        changed = kernels.install(model, positions=context)
+        logger.info("%s: fast CPU kernels in %d modules", path.name, changed)
     eos = config.get("eos_token_id")
     tokenizer, source = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     info = ModelInfo(
         name=name or path.name,
-        context_length=context_length or config_context_length(config),
+        context_length=context,
         vocab_size=_vocab_size(model, config),
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         supports_tools=bool(getattr(tokenizer, "has_tool_calling", False)),

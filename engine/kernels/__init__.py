@@ -6,6 +6,8 @@ builds exp from elementwise ops that `mx.compile` fuses into vectorised loops; o
 - activation.py: mlx-lm's `swiglu` / `precise_swiglu` (silu(gate) * up), 6-11x faster.
 - attention.py: mlx-lm's `scaled_dot_product_attention` (MLX's CPU one is its unfused fallback),
   with that exp in the softmax and GQA's query heads as the rows of one matmul per KV head.
+- rope.py: `nn.RoPE` from a table of cos and sin by position (MLX's CPU rope is ~10 ops a call,
+  each call computing its own), the same bits as MLX's.
 
 Not replaced, measured (bench/RESULTS.md, "Fast CPU kernels"): `mx.fast.rms_norm`, also a
 fallback of separate ops on the CPU but not exp-bound, is 0.03-0.13 ms a call in the default
@@ -32,9 +34,11 @@ from mlx_lm.models import base as lm_base
 
 from engine.kernels.activation import precise_swiglu, silu, swiglu
 from engine.kernels.attention import scaled_dot_product_attention
+from engine.kernels.rope import FastRoPE, fast_rope
 
 __all__ = [
     "ENV_SWITCH",
+    "FastRoPE",
     "fast_kernels_enabled",
     "install",
     "precise_swiglu",
@@ -46,6 +50,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "ORCHARD_FAST_KERNELS"
+# Positions a RoPE table covers when the caller names none (the loader passes the context).
+DEFAULT_POSITIONS = 4096
 
 
 def fast_kernels_enabled() -> bool:
@@ -95,9 +101,10 @@ _REPLACEMENTS = {
 }
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, positions: int = DEFAULT_POSITIONS) -> int:
     """Give every module of `model` whose `__call__` uses one of mlx-lm's functions above the
-    fast one; returns how many modules changed.
+    fast one, and every plain `nn.RoPE` a table for `positions` positions (the model's context:
+    see rope.py); returns how many modules changed.
 
     A module is replaced in its parent by a copy of a subclass whose `__call__` is the same code
     with those names bound to the fast functions (parameters are shared, not copied). Per model,
@@ -107,6 +114,10 @@ def install(model: nn.Module) -> int:
     copies: dict[int, nn.Module] = {}
 
     def swap(value: Any) -> Any:
+        if type(value) is nn.RoPE:
+            if id(value) not in copies:
+                copies[id(value)] = fast_rope(value, positions)
+            return copies[id(value)]
         if isinstance(value, nn.Module):
             if id(value) not in copies:
                 copies[id(value)] = _fast_copy(value)

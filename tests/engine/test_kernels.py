@@ -367,8 +367,10 @@ def test_loader_installs_it_and_outputs_stay_within_rounding(monkeypatch):
     assert sorted(fast_modules(fast.model)) == [
         "model.layers.0.mlp",
         "model.layers.0.self_attn",
+        "model.layers.0.self_attn.rope",
         "model.layers.1.mlp",
         "model.layers.1.self_attn",
+        "model.layers.1.self_attn.rope",
     ]
     monkeypatch.setenv(kernels.ENV_SWITCH, "0")
     assert not kernels.fast_kernels_enabled()
