@@ -11,6 +11,9 @@ Alone, best of 50 calls each, the two sides alternated for several rounds (best 
   bool mask mlx-lm's BatchKVCache gives; with MLX's precise softmax alone on the same scores,
   which is most of its attention.
 - `mx.fast.rms_norm` (on the CPU an unfused fallback) against the same compiled, not installed.
+- RoPE (`nn.RoPE`: `mx.fast.rope`, on the CPU an unfused fallback) against the table of
+  engine/kernels/rope.py: a forward's 60 calls (queries and keys of 30 layers) at a batch-16
+  decode step (a position per row), a batch-1 step and a 128-token chunk.
 Then the model loaded three times (ORCHARD_FAST_KERNELS=0, SwiGLU only, all fast kernels): a
 128-token prefill chunk and batch-1 / batch-16 decode steps from --context tokens (each step
 adds a key, as in serving), alternated so all see the same machine; best of each, by wall
@@ -32,11 +35,13 @@ import engine  # noqa: F401  (first: OpenBLAS must load before mlx)
 
 # isort: split
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import activations
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from bench.engine import default_model
 from engine import kernels
+from engine.kernels import rope as rope_kernel
 from engine.loader import load_model
 
 SHAPES = ((128, 1536), (16, 1536), (1, 8960))
@@ -145,6 +150,38 @@ def rms_norm_alone(rounds: int) -> None:
         )
 
 
+def rope_alone(rounds: int, context: int) -> None:
+    print("\nRoPE, 60 calls        | mx.fast.rope ms | table ms | speedup")
+    plain = nn.RoPE(HEAD_DIM, base=100000.0)  # the default model's
+    fast = rope_kernel.fast_rope(plain, 8192)
+    cases = {
+        f"decode b16, S={context}": (16, 1, mx.array([context + i for i in range(16)])),
+        f"decode b1, S={context}": (1, 1, context),
+        "prefill 128": (1, 128, 0),
+    }
+    for label, (batch, length, offset) in cases.items():
+        inputs = [
+            mx.random.normal((batch, length, heads, HEAD_DIM)).transpose(0, 2, 1, 3)
+            for _ in range(30)
+            for heads in (HEADS, KV_HEADS)
+        ]
+        mx.eval(inputs)
+        t = alternated(
+            {
+                name: lambda rope=rope, inputs=inputs, offset=offset: mx.eval(
+                    [rope(x, offset=offset) for x in inputs]
+                )
+                for name, rope in (("mlx", plain), ("table", fast))
+            },
+            rounds,
+            repeat=10,
+        )
+        print(
+            f"{label:22s} | {t['mlx']:15.2f} | {t['table']:8.2f} | {t['mlx'] / t['table']:6.2f}x",
+            flush=True,
+        )
+
+
 def load_variants(path: Path) -> dict:
     os.environ[kernels.ENV_SWITCH] = "0"
     plain = load_model(path).model
@@ -153,7 +190,9 @@ def load_variants(path: Path) -> dict:
     # subclass per class, so clear it before and after.
     attention = kernels._REPLACEMENTS.pop("scaled_dot_product_attention")
     kernels._fast_class.cache_clear()
+    fast_rope, kernels.fast_rope = kernels.fast_rope, lambda rope, positions: rope
     swiglu_only = load_model(path).model
+    kernels.fast_rope = fast_rope
     kernels._REPLACEMENTS["scaled_dot_product_attention"] = attention
     kernels._fast_class.cache_clear()
     fast = load_model(path).model
@@ -214,6 +253,7 @@ def main() -> None:
     activation_alone(args.rounds)
     attention_alone(args.rounds, args.context)
     rms_norm_alone(args.rounds)
+    rope_alone(args.rounds, args.context)
     # --clock cpu times the forwards by this process's CPU time, which other work on a shared
     # machine inflates less than wall time (with OPENBLAS_NUM_THREADS=1, or BLAS threads'
     # spinning counts too).

@@ -3,8 +3,9 @@
 `mx.fast.rope` has no CPU kernel: its fallback builds the angles of the call's positions, their
 cos and sin (scalar, an element at a time) and the rotation from about ten separate ops, on
 every call, twice a layer (queries and keys). At MLX's CPU cost per op that is most of the
-time: 8.5 ms of a batch-16 decode step of the default model and 42 ms of a 128-token prefill
-chunk went to it (bench/RESULTS.md, "Fast CPU kernels").
+time: 3.9 ms of a batch-16 decode step of the default model and 17.6 ms of a 128-token prefill
+chunk went to it, against 1.9 and 9.4 ms here (bench/kernels.py; bench/RESULTS.md, "Fast CPU
+kernels").
 
 Here the cos and sin of every position the model may see are computed once per RoPE setting
 (dims, traditional, base, scale), by the same float32 operations as MLX's fallback, so they are
