@@ -170,40 +170,57 @@ KERNEL static void nt_columns(int M, int n0, int n1, int K, const float *A, int 
              alpha, beta);
 }
 
-/* C = alpha * A B + beta * C, B stored K x N: per row of A, 32 columns at a time, each a
- * chain of FMAs over k (the scalar tail in the same order). */
+/* Rows [0, MR) of C, columns [n, n + 32): each element a chain of FMAs over k, with every row
+ * of B's 32 columns loaded once for the MR rows of A (not once per row). */
+KERNEL INLINE void nn_tile(const int MR, int K, const float *A, int lda, const float *B, int ldb,
+                           float *C, int ldc, int n, float alpha, float beta) {
+  v8 acc[3][4];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < 4; j++) acc[i][j] = (v8){0};
+  for (int k = 0; k < K; k++) {
+    const float *b = B + (size_t)k * ldb + n;
+    v8 w0 = load(b), w1 = load(b + 8), w2 = load(b + 16), w3 = load(b + 24);
+    for (int i = 0; i < MR; i++) {
+      v8 s = (v8){0} + A[(size_t)i * lda + k];
+      acc[i][0] += s * w0;
+      acc[i][1] += s * w1;
+      acc[i][2] += s * w2;
+      acc[i][3] += s * w3;
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < 4; j++)
+      for (int l = 0; l < 8; l++) put(C + (size_t)i * ldc + n + 8 * j + l, acc[i][j][l], alpha, beta);
+}
+
+/* C = alpha * A B + beta * C, B stored K x N: rows of A three at a time (then two, then one)
+ * against 32 columns of B at a time, then 8, then one; each element a chain of FMAs over k in
+ * order (the scalar tail in the same order), so its bits do not depend on M or the tiling. */
 KERNEL static void nn_small(int M, int N, int K, const float *A, int lda, const float *B,
                             int ldb, float *C, int ldc, float alpha, float beta) {
+  int n = 0;
+  for (; n + 32 <= N; n += 32) {
+    int m = 0;
+    for (; m + 3 <= M; m += 3)
+      nn_tile(3, K, A + (size_t)m * lda, lda, B, ldb, C + (size_t)m * ldc, ldc, n, alpha, beta);
+    if (M - m == 2)
+      nn_tile(2, K, A + (size_t)m * lda, lda, B, ldb, C + (size_t)m * ldc, ldc, n, alpha, beta);
+    else if (M - m == 1)
+      nn_tile(1, K, A + (size_t)m * lda, lda, B, ldb, C + (size_t)m * ldc, ldc, n, alpha, beta);
+  }
   for (int m = 0; m < M; m++) {
     const float *a = A + (size_t)m * lda;
     float *c = C + (size_t)m * ldc;
-    int n = 0;
-    for (; n + 32 <= N; n += 32) {
-      v8 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
-      for (int k = 0; k < K; k++) {
-        const float *b = B + (size_t)k * ldb + n;
-        v8 s = (v8){0} + a[k];
-        acc0 += s * load(b);
-        acc1 += s * load(b + 8);
-        acc2 += s * load(b + 16);
-        acc3 += s * load(b + 24);
-      }
-      for (int j = 0; j < 8; j++) {
-        put(c + n + j, acc0[j], alpha, beta);
-        put(c + n + 8 + j, acc1[j], alpha, beta);
-        put(c + n + 16 + j, acc2[j], alpha, beta);
-        put(c + n + 24 + j, acc3[j], alpha, beta);
-      }
-    }
-    for (; n + 8 <= N; n += 8) {
+    int j = n;
+    for (; j + 8 <= N; j += 8) {
       v8 acc = {0};
-      for (int k = 0; k < K; k++) acc += ((v8){0} + a[k]) * load(B + (size_t)k * ldb + n);
-      for (int j = 0; j < 8; j++) put(c + n + j, acc[j], alpha, beta);
+      for (int k = 0; k < K; k++) acc += ((v8){0} + a[k]) * load(B + (size_t)k * ldb + j);
+      for (int l = 0; l < 8; l++) put(c + j + l, acc[l], alpha, beta);
     }
-    for (; n < N; n++) {
+    for (; j < N; j++) {
       float r = 0.0f;
-      for (int k = 0; k < K; k++) r = __builtin_fmaf(a[k], B[(size_t)k * ldb + n], r);
-      put(c + n, r, alpha, beta);
+      for (int k = 0; k < K; k++) r = __builtin_fmaf(a[k], B[(size_t)k * ldb + j], r);
+      put(c + j, r, alpha, beta);
     }
   }
 }

@@ -79,7 +79,9 @@ def test_a_times_b_transposed_is_exact_to_float32_rounding(m, n, k):
     assert_close(sgemm(a, b), a, b)
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (3, 64, 129), (3, 37, 5), (16, 96, 40)])
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 1, 1), (2, 32, 10), (3, 64, 129), (3, 37, 5), (5, 70, 33), (16, 96, 40)]
+)
 def test_a_times_b_is_exact_to_float32_rounding(m, n, k):
     rng = np.random.default_rng(m + n + k)
     a = rng.standard_normal((m, k), dtype=np.float32)
