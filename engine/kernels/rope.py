@@ -11,14 +11,15 @@ Here the cos and sin of every position the model may see are computed once per R
 (dims, traditional, base, scale), by the same float32 operations as MLX's fallback, so they are
 the same bits; a call gathers its positions' rows and rotates, one compiled kernel per shape
 (fastexp.PerShape). The outputs are identical to `mx.fast.rope`'s (tests/engine/
-test_kernels.py checks it bit for bit).
+test_rope_kernel.py checks it bit for bit).
 
 Positions: the table covers the model's context (`install(model, positions=...)`, from the
-loader, with room for speculative drafts), which every request is checked against
-(engine/protocol.py). An integer offset past the table goes to `mx.fast.rope`; an array offset
-(a batch's rows, each at its own position) cannot be read without waiting for the device, so
-its positions are clamped into the table: only a batch's padding (negative positions, masked)
-is ever clamped. A table over `MAX_TABLE_BYTES` is not built (the model keeps MLX's rope).
+loader), which every request is checked against (engine/protocol.py), and DRAFT_ROOM more. An
+integer offset past the table goes to `mx.fast.rope`; an array offset (a batch's rows, each at
+its own position) cannot be read without waiting for the device, so its positions are clamped
+into the table: only a batch's padding (negative positions, masked) and a speculative step's
+padded positions (discarded) can be clamped. A table over `MAX_TABLE_BYTES` is not built (the
+model keeps MLX's rope).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import mlx.nn as nn
 from engine.kernels.fastexp import PerShape
 
 MAX_TABLE_BYTES = 64 * 1024 * 1024
-# Positions past the context a step may compute: a speculative step's drafts.
+# Positions past a sequence's end a step may compute: in a speculative step, rows with a
+# shorter draft are padded to the longest (their extra positions are discarded).
 DRAFT_ROOM = 64
 _DTYPES = (mx.float32,)
 
@@ -41,7 +43,7 @@ class RopeTable:
     """cos and sin, float32, of positions [0, `positions`) for one RoPE setting."""
 
     def __init__(self, dims: int, traditional: bool, base: float, scale: float, positions: int):
-        self.dims, self.traditional, self.base, self.scale = dims, traditional, base, scale
+        # `traditional` changes the rotation (the kernel), not the angles.
         self.positions = positions
         half = dims // 2
         # MLX's fallback: inverse frequencies exp(-i · ln(base) / half), angles (p · scale) · f.
@@ -103,7 +105,6 @@ class FastRoPE(nn.RoPE):
             x.dtype not in _DTYPES
             or x.ndim < 3
             or self.dims > x.shape[-1]
-            or self.dims % 2
             or mx.default_device() != mx.cpu
         ):
             return super().__call__(x, offset)

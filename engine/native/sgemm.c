@@ -78,6 +78,8 @@ KERNEL INLINE void put(float *c, float r, float alpha, float beta) {
  * 16-float stretch of K: line l is row l % 4, floats 16 * (l / 4) on. */
 INLINE int block_lines(int K) { return 4 * ((K + 15) / 16); }
 
+INLINE int min_int(int x, int y) { return x < y ? x : y; }
+
 /* C[i][j] for MR rows of A (a, lda) and NR rows of B (b, ldb). `next`, if set, is the next
  * block of four B rows: this tile fetches its lines [pf0, pf1) into cache meanwhile, spread
  * over its loop, so that memory streams the next block while the core computes this one. */
@@ -133,7 +135,7 @@ KERNEL static void nt_1x1(int K, const float *a, int lda, const float *b, int ld
  * once), against the rows of A in tiles of three (then two, or one when M is 1). Every tile
  * of a block prefetches its share of the next block: at 16 rows, prefetching it from the
  * first tile alone left memory idle for the other five (bench/RESULTS.md, "Small-M sgemm":
- * the model's weight matmuls at 16 rows went from 42 to 32 ms, at 8 rows from 31 to 23). */
+ * the model's weight matmuls at 16 rows went from 53 to 44 ms on average). */
 KERNEL static void nt_columns(int M, int n0, int n1, int K, const float *A, int lda,
                               const float *B, int ldb, float *C, int ldc, float alpha,
                               float beta) {
@@ -156,13 +158,11 @@ KERNEL static void nt_columns(int M, int n0, int n1, int K, const float *A, int 
     const float *a = A;
     float *c = C + n;
     int pf = 0; /* the first of the next block's lines the next tile prefetches */
-#define SHARE pf, pf + share < lines ? pf + share : lines
     for (int t = 0; t < threes; t++, a += (size_t)3 * lda, c += (size_t)3 * ldc, pf += share)
-      nt_3x4(K, a, lda, b, ldb, c, ldc, next, SHARE, alpha, beta);
+      nt_3x4(K, a, lda, b, ldb, c, ldc, next, pf, min_int(pf + share, lines), alpha, beta);
     for (int t = 0; t < twos; t++, a += (size_t)2 * lda, c += (size_t)2 * ldc, pf += share)
-      nt_2x4(K, a, lda, b, ldb, c, ldc, next, SHARE, alpha, beta);
-    if (ones) nt_1x4(K, a, lda, b, ldb, c, ldc, next, SHARE, alpha, beta);
-#undef SHARE
+      nt_2x4(K, a, lda, b, ldb, c, ldc, next, pf, min_int(pf + share, lines), alpha, beta);
+    if (ones) nt_1x4(K, a, lda, b, ldb, c, ldc, next, pf, lines, alpha, beta);
   }
   for (; n < n1; n++)
     for (int m = 0; m < M; m++)

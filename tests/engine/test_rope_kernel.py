@@ -111,7 +111,10 @@ def test_the_loader_installs_it_for_the_models_context(monkeypatch):
     assert all(isinstance(r, rope_kernel.FastRoPE) for r in ropes)
     assert all(r._table is ropes[0]._table for r in ropes)
     assert ropes[0]._table.positions >= 3000
-    assert kernels.install(loaded.model) == kernels.install(loaded.model)  # nothing more to swap
+    kernels.install(loaded.model)  # installing again wraps nothing twice
+    again = [layer.self_attn.rope for layer in loaded.model.model.layers]
+    assert all(new is old for new, old in zip(again, ropes, strict=True))
+    assert all(type(r) is rope_kernel.FastRoPE for r in ropes)
 
     monkeypatch.setenv(kernels.ENV_SWITCH, "0")
     plain = load_model(path).model
