@@ -33,7 +33,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-blas bench-sgemm clean
+.PHONY: setup serve test lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-blas bench-sgemm bench-attention clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,10 @@ bench-blas: setup
 # Orchard's cblas_sgemm (engine/native/sgemm.c) against the BLAS alone.
 bench-sgemm: setup
 	$(PY) bench/sgemm.py
+
+# Orchard's fused decode attention (engine/native/attention.c) against MLX ops.
+bench-attention: setup
+	$(PY) bench/attention.py
 
 bench-serve: setup
 	$(PY) bench/serve_compare.py

@@ -220,3 +220,11 @@ def sgemm_provider() -> str | None:
     if not process.dladdr(address, ctypes.byref(info)) or not info.dli_fname:
         return None
     return os.path.realpath(info.dli_fname.decode())
+
+
+def attention_kernel() -> int | None:
+    """The address of Orchard's fused decode attention (engine/native/attention.c, in the same
+    library as its cblas_sgemm) where that library is loaded and this CPU runs it, else None."""
+    if _sgemm is None or not _sgemm.orchard_attention_supported():
+        return None
+    return ctypes.cast(_sgemm.orchard_attention, ctypes.c_void_p).value

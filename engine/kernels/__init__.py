@@ -33,7 +33,7 @@ from mlx_lm.models import activations as lm_activations
 from mlx_lm.models import base as lm_base
 
 from engine.kernels.activation import precise_swiglu, silu, swiglu
-from engine.kernels.attention import scaled_dot_product_attention
+from engine.kernels.attention import fused_kernel, scaled_dot_product_attention
 from engine.kernels.rope import FastRoPE, fast_rope
 
 __all__ = [
@@ -137,6 +137,7 @@ def install(model: nn.Module, positions: int = DEFAULT_POSITIONS) -> int:
             module[key] = swap(module[key])
 
     visit(model)
+    fused_kernel()  # built and checked now, not in a request's first forward
     return sum(1 for module in copies.values() if getattr(module, "_orchard_fast", False))
 
 

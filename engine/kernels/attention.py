@@ -27,6 +27,13 @@ The exp kernels are compiled per shape, and at decode the key count grows by one
 trace of the three per step for all layers (about 0.35 ms; the kernels' code is shared, so g++
 runs once per machine).
 
+Decode steps and other short query blocks in float32 (at most 24 query rows per KV head, head
+dimensions multiples of 8 up to 256, no mask or a bool or causal one) go instead to one fused
+kernel, engine/native/attention.c as an MLX primitive (engine/native/mlx_extension.py): the
+whole attention of a layer in one op, its (sequence, KV head) tasks on the sgemm pool's
+threads, keys and values read once (bench/RESULTS.md, "Fused decode attention").
+`ORCHARD_FUSED_ATTENTION=0`, or `FUSED` set False, keeps them on the path above.
+
 Anything else goes to mlx-lm's own: off the CPU, attention sinks, quantized caches, inputs it
 does not recognise (dtypes, ranks, mask shapes), and calls too small to gain (`MIN_SCORES`).
 """
@@ -34,6 +41,8 @@ does not recognise (dtypes, ranks, mask shapes), and calls too small to gain (`M
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import weakref
 from typing import Any
 
@@ -50,6 +59,14 @@ from engine.kernels.fastexp import (
     exponent_bits,
     reduced,
 )
+from engine.native import mlx_extension
+
+logger = logging.getLogger(__name__)
+
+FUSED_SWITCH = "ORCHARD_FUSED_ATTENTION"
+# Whether calls the fused kernel takes go to it (when it is built): the switch, or tests and
+# benchmarks comparing both paths in one process.
+FUSED = os.environ.get(FUSED_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 MASKED = float(np.finfo(np.float32).min)
 # Below this many scores MLX's fallback is as fast or faster: this path is ~11 MLX ops to its 5,
@@ -85,7 +102,14 @@ def scaled_dot_product_attention(
     """mlx-lm's `base.scaled_dot_product_attention`, on the CPU path described above."""
     additive = _UNHANDLED
     if _handles(queries, keys, values, cache, scale, sinks):
-        additive = _additive_mask(mask, scale, queries, keys)
+        fused = _fused(queries, values, mask)
+        if fused is not None:
+            causal = isinstance(mask, str) and queries.shape[2] > 1
+            return fused.decode_attention(
+                queries, keys, values, None if isinstance(mask, str) else mask, scale, causal
+            )
+        if queries.size // queries.shape[-1] * keys.shape[2] >= MIN_SCORES:
+            additive = _additive_mask(mask, scale, queries, keys)
     if additive is _UNHANDLED:
         return base.scaled_dot_product_attention(
             queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
@@ -109,14 +133,60 @@ def scaled_dot_product_attention(
 _UNHANDLED = object()
 
 
+def _fused(queries: mx.array, values: mx.array, mask: Any) -> Any:
+    """The fused kernel's module when it takes this call (past `_handles`), else None."""
+    if not FUSED or queries.dtype != mx.float32:
+        return None
+    (B, H, L, D), (n_kv, Dv) = queries.shape, values.shape[1::2]
+    if H // n_kv * L > 24 or D % 8 or Dv % 8 or max(D, Dv) > 256:
+        return None  # mlx_extension's MAX_ROWS and MAX_DIM: the kernel's state on its stack
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+    elif mask is not None:
+        if not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim > 4:
+            return None
+        full = (B, H, L, values.shape[2])[4 - mask.ndim :]
+        if not all(m in (1, n) for m, n in zip(mask.shape, full, strict=True)):
+            return None
+    return fused_kernel()
+
+
+@functools.cache
+def fused_kernel() -> Any:
+    """The fused kernel's module, built and loaded on first call (engine/kernels' `install`
+    calls this when a model loads: the first build on a machine takes ~20 s), once checked
+    against MLX's attention here; None where it is not available or disagrees."""
+    module = mlx_extension.load_extension()
+    if module is None:
+        return None
+    rng = np.random.default_rng(0)
+    q, k, v = (
+        mx.array(rng.standard_normal(shape).astype(np.float32))
+        for shape in ((3, 6, 2, 64), (3, 2, 70, 64), (3, 2, 70, 32))
+    )
+    mask = mx.array(rng.random((3, 1, 2, 70)) > 0.3)
+    try:
+        ours = module.decode_attention(q, k, v, mask, 0.125, False)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        agrees = mx.allclose(ours, theirs, rtol=1e-5, atol=1e-6).item()
+    except (RuntimeError, ValueError):
+        logger.warning("fused decode attention off: it failed its check", exc_info=True)
+        return None
+    if not agrees:
+        logger.warning("fused decode attention off: it disagrees with MLX's on this machine")
+        return None
+    return module
+
+
 def _handles(queries, keys, values, cache, scale, sinks) -> bool:
-    # Once per layer per forward: plain checks, no generators, the size first (MLX's own
-    # fallback builds its graph in 7 us; a small call pays ~1 us more for coming here).
+    # Once per layer per forward: plain checks, no generators (MLX's own fallback builds its
+    # graph in 7 us; a small call pays ~1 us more for coming here).
     shapes = queries.shape, keys.shape, values.shape
     if len(shapes[0]) != 4 or len(shapes[1]) != 4 or len(shapes[2]) != 4:
         return False
     (B, H, L, D), (Bk, n_kv, S, Dk), (Bv, n_v, Sv, Dv) = shapes
-    if B * H * L * S < MIN_SCORES or (Bk, Bv, Dk, n_v, Sv) != (B, B, D, n_kv, S):
+    if (Bk, Bv, Dk, n_v, Sv) != (B, B, D, n_kv, S):
         return False
     if not B * L * S * D * Dv or H % n_kv or sinks is not None or hasattr(cache, "bits"):
         return False

@@ -22,7 +22,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("sgemm.c")
+HERE = Path(__file__).parent
+SOURCE = HERE / "sgemm.c"
+# Compiled into the same library as SOURCE: the fused decode attention, on sgemm's thread pool.
+ATTENTION_SOURCES = (HERE / "attention.c", HERE / "attention.h")
 CACHE_ENV = "ORCHARD_NATIVE_CACHE"
 FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-Wall", "-Wno-psabi")
 BUILD_TIMEOUT_S = 120
@@ -57,7 +60,8 @@ def library_path(cc: str) -> Path:
         [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), platform.machine().encode(), *FLAGS):
+    sources = [path.read_bytes() for path in (SOURCE, *ATTENTION_SOURCES)]
+    for part in (*sources, version.encode(), platform.machine().encode(), *FLAGS):
         key.update(part if isinstance(part, bytes) else part.encode())
     return cache_dir() / f"orchard-sgemm-{key.hexdigest()[:16]}.so"
 
@@ -76,7 +80,7 @@ def build_sgemm() -> Path | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
             result = subprocess.run(
-                [cc, *FLAGS, "-o", str(built), str(SOURCE), "-ldl"],
+                [cc, *FLAGS, "-o", str(built), str(SOURCE), str(ATTENTION_SOURCES[0]), "-ldl"],
                 capture_output=True,
                 text=True,
                 timeout=BUILD_TIMEOUT_S,

@@ -225,15 +225,24 @@ KERNEL static void nn_small(int M, int N, int K, const float *A, int lda, const 
   }
 }
 
-/* The thread pool: the calling thread and `num_threads - 1` workers split a product's
- * columns. One product at a time; a second caller meanwhile computes on its own thread. */
+/* One product C = alpha * A B^T + beta * C (row-major, the fast path's operands). */
 typedef struct {
   int M, N, K, lda, ldb, ldc;
   const float *A, *B;
   float *C;
   float alpha, beta;
-  int chunk; /* columns per piece of work (a multiple of 4) */
 } product_t;
+
+/* The thread pool: the calling thread and `num_threads - 1` workers split one job's range of
+ * indices (a product's columns, attention's sequences and heads). One job at a time; a second
+ * caller meanwhile computes on its own thread. */
+typedef void (*range_fn)(void *ctx, int begin, int end);
+
+typedef struct {
+  range_fn fn;
+  void *ctx;
+  int total, chunk; /* indices [0, total), taken `chunk` at a time */
+} job_t;
 
 static struct {
   pthread_mutex_t busy;
@@ -242,21 +251,20 @@ static struct {
   atomic_uint generation;
   atomic_int pending;
   atomic_int sleepers;
-  atomic_int next_column; /* the threads take pieces of the product from here */
+  atomic_int next; /* the threads take pieces of the job from here */
   int started;
-  unsigned started_at; /* the generation before the workers' first product */
-  product_t job;
+  unsigned started_at; /* the generation before the workers' first job */
+  job_t job;
 } pool = {
     .busy = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
 /* Pieces are taken, not assigned: a thread the OS holds back (the engine's own Python thread
  * needs a core now and then) leaves its share to the others instead of making them wait. */
-KERNEL static void run_pieces(const product_t *p) {
+static void run_pieces(const job_t *job) {
   for (;;) {
-    int n0 = atomic_fetch_add(&pool.next_column, p->chunk);
-    if (n0 >= p->N) return;
-    int n1 = n0 + p->chunk < p->N ? n0 + p->chunk : p->N;
-    nt_columns(p->M, n0, n1, p->K, p->A, p->lda, p->B, p->ldb, p->C, p->ldc, p->alpha, p->beta);
+    int i0 = atomic_fetch_add(&pool.next, job->chunk);
+    if (i0 >= job->total) return;
+    job->fn(job->ctx, i0, i0 + job->chunk < job->total ? i0 + job->chunk : job->total);
   }
 }
 
@@ -325,20 +333,23 @@ static void after_fork_in_child(void) {
   pool.started = 0;
 }
 
-KERNEL static void nt_product(const product_t *p) {
-  long work = (long)p->M * p->N * p->K;
-  if (num_threads > 1 && work >= THREAD_MIN_WORK && p->N >= 8 * num_threads &&
-      pthread_mutex_trylock(&pool.busy) == 0) {
+/* Run fn(ctx, begin, end) over [0, total) in pieces of `chunk` on the pool's threads and the
+ * calling one, returning when all are done; on the calling thread alone when the pool is busy
+ * with another caller's job or has no other thread. Exported: attention (engine/native/
+ * attention.c and the MLX primitive that calls it) shares the pool with the products. */
+__attribute__((visibility("default"))) void orchard_parallel_for(int total, int chunk, range_fn fn,
+                                                                 void *ctx) {
+  if (total <= 0) return;
+  if (chunk < 1) chunk = 1;
+  if (num_threads > 1 && total > chunk && pthread_mutex_trylock(&pool.busy) == 0) {
     if (!pool.started) {
       int threads = start_pool();
       if (threads < num_threads) num_threads = threads;
       pool.started = 1;
     }
     if (num_threads > 1) {
-      pool.job = *p;
-      int pieces = num_threads * PIECES_PER_THREAD;
-      pool.job.chunk = ((p->N + pieces - 1) / pieces + 3) & ~3;
-      atomic_store(&pool.next_column, 0);
+      pool.job = (job_t){fn, ctx, total, chunk};
+      atomic_store(&pool.next, 0);
       atomic_store(&pool.pending, num_threads - 1);
       atomic_fetch_add(&pool.generation, 1);
       if (atomic_load(&pool.sleepers)) {
@@ -353,7 +364,23 @@ KERNEL static void nt_product(const product_t *p) {
     }
     pthread_mutex_unlock(&pool.busy);
   }
-  nt_columns(p->M, 0, p->N, p->K, p->A, p->lda, p->B, p->ldb, p->C, p->ldc, p->alpha, p->beta);
+  fn(ctx, 0, total);
+}
+
+/* Columns [n0, n1) of a product: one piece of its job. */
+KERNEL static void product_columns(void *ctx, int n0, int n1) {
+  const product_t *p = ctx;
+  nt_columns(p->M, n0, n1, p->K, p->A, p->lda, p->B, p->ldb, p->C, p->ldc, p->alpha, p->beta);
+}
+
+KERNEL static void nt_product(product_t *p) {
+  long work = (long)p->M * p->N * p->K;
+  if (num_threads > 1 && work >= THREAD_MIN_WORK && p->N >= 8 * num_threads) {
+    int pieces = num_threads * PIECES_PER_THREAD;
+    orchard_parallel_for(p->N, ((p->N + pieces - 1) / pieces + 3) & ~3, product_columns, p);
+    return;
+  }
+  product_columns(p, 0, p->N);
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
@@ -362,7 +389,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
   if (fast && order == ROW_MAJOR && trans_a == NO_TRANS && M > 0 && N > 0 && K > 0 &&
       M <= max_rows) {
     if (trans_b == TRANS) {
-      product_t p = {M, N, K, lda, ldb, ldc, A, B, C, alpha, beta, 1};
+      product_t p = {M, N, K, lda, ldb, ldc, A, B, C, alpha, beta};
       nt_product(&p);
       atomic_fetch_add_explicit(&num_fast, 1, memory_order_relaxed);
       return;

@@ -148,8 +148,11 @@ def test_kernels_are_compiled_per_shape_and_old_shapes_dropped():
 
 @pytest.fixture
 def any_size(monkeypatch):
-    """The fast path for calls of every size (below attention.MIN_SCORES MLX's is used)."""
+    """The fast path of MLX ops for calls of every size (below attention.MIN_SCORES MLX's is
+    used); the fused kernel off, so that its float32 calls take this path too (the fused
+    kernel has its own tests: test_fused_attention.py)."""
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(attention, "FUSED", False)
 
 
 def softmax_reference(logits: np.ndarray, scale: float, mask: np.ndarray | None) -> np.ndarray:
@@ -320,6 +323,7 @@ def test_what_attention_does_not_handle_goes_to_mlx_lm(monkeypatch):
 
 
 def test_calls_too_small_to_gain_go_to_mlx_lm(monkeypatch):
+    monkeypatch.setattr(attention, "FUSED", False)  # the fused kernel takes every size
     calls = []
     monkeypatch.setattr(base, "scaled_dot_product_attention", lambda *a, **k: calls.append(a))
     small_q, large_q = mx.random.normal((1, 9, 1, 64)), mx.random.normal((1, 9, 2, 64))
@@ -438,7 +442,16 @@ def test_greedy_tokens_are_the_same_with_the_fast_kernels_on_and_off(tiny_model,
         small_calls.append(math.prod(queries.shape[:3]) * keys.shape[2])
         return original(queries, keys, *args, **kwargs)
 
+    fused = attention.fused_kernel()
+
+    class FusedSpy:  # the fused kernel's calls (decode steps, short blocks), by mask kind
+        def decode_attention(self, queries, keys, values, mask, *args):
+            kind = "fused " + ("none" if mask is None else str(mask.dtype))
+            fast_calls.add((kind, "prefill" if queries.shape[2] > 1 else "decode"))
+            return fused.decode_attention(queries, keys, values, mask, *args)
+
     monkeypatch.setattr(attention, "_additive_mask", fast)
+    monkeypatch.setattr(attention, "fused_kernel", FusedSpy)
     monkeypatch.setattr(base, "scaled_dot_product_attention", theirs)
     model_type = "llama" if tiny_model.info.name == "tiny-llama" else "qwen3_next"
     plain_model, _ = mlx_load_model(build_tiny_model(model_type=model_type, tokenizer="qwen3"))
@@ -459,5 +472,5 @@ def test_greedy_tokens_are_the_same_with_the_fast_kernels_on_and_off(tiny_model,
     for request in requests:
         assert ours.tokens(request.request_id) == theirs.tokens(request.request_id)
     assert {("causal", "prefill"), ("mlx.core.bool", "prefill")} <= fast_calls
-    assert ("mlx.core.bool", "decode") in fast_calls
-    assert small_calls and max(small_calls) < attention.MIN_SCORES  # the rest: too small
+    assert ("fused mlx.core.bool", "decode") in fast_calls
+    assert small_calls == []  # what the ops path finds too small, the fused kernel takes
