@@ -147,6 +147,7 @@ KERNEL static void head(const orchard_attention_t *a, int b, int kh) {
   float s[MAX_ROWS][BLOCK + 8] __attribute__((aligned(32)));
   float acc[MAX_ROWS * MAX_DIM] __attribute__((aligned(32)));
   float top[MAX_ROWS], total[MAX_ROWS];
+  int nan[MAX_ROWS]; /* a visible score was NaN: the row's output is NaN, as MLX's */
   const float *q[MAX_ROWS];
   const unsigned char *mask[MAX_ROWS];
   int last[MAX_ROWS]; /* the last key row r may see */
@@ -157,6 +158,7 @@ KERNEL static void head(const orchard_attention_t *a, int b, int kh) {
     last[r] = a->causal ? S - L + l : S - 1;
     top[r] = -INFINITY;
     total[r] = 0.0f;
+    nan[r] = 0;
   }
   for (int i = 0; i < R * DV; i++) acc[i] = 0.0f;
   const float *k = a->k + b * a->k_b + kh * a->k_h;
@@ -180,6 +182,7 @@ KERNEL static void head(const orchard_attention_t *a, int b, int kh) {
         int visible = j0 + j <= last[r] && (!mask[r] || mask[r][(long)(j0 + j) * a->m_s]);
         if (!visible) sr[j] = -INFINITY;
         else if (sr[j] > block_top) block_top = sr[j];
+        else if (sr[j] != sr[j]) nan[r] = 1, sr[j] = -INFINITY;
       }
       for (int j = n; j < ((n + 7) & ~7); j++) sr[j] = -INFINITY;
       if (block_top > top[r]) { /* rescale what the earlier blocks summed */
@@ -205,6 +208,10 @@ KERNEL static void head(const orchard_attention_t *a, int b, int kh) {
   for (int r = 0; r < R; r++) {
     int h = kh * G + r / L, l = r % L;
     float *out = a->out + (((long)b * a->H + h) * L + l) * DV;
+    if (nan[r]) {
+      for (int i = 0; i < DV; i++) out[i] = NAN;
+      continue;
+    }
     if (top[r] == -INFINITY) { /* no visible key: the mean of all values */
       for (int i = 0; i < DV; i += 8) {
         v8 m = splat(0.0f);

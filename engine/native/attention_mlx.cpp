@@ -2,12 +2,14 @@
 // library): one node of the graph where MLX's CPU backend has ~12 (two matmuls looping over
 // sequences and heads, the softmax's ops), run on the CPU stream like any other op.
 //
-// Built on first use by engine/native/attention_build.py (nanobind, in MLX's domain, so its
+// Built on first use by engine/native/mlx_extension.py (nanobind, in MLX's domain, so its
 // arrays are MLX's own); the kernel's address comes from Python (engine/blas.py loaded the
 // library), so this module links nothing of Orchard's and imports without it.
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <stdexcept>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -27,25 +29,46 @@ namespace {
 using Kernel = int (*)(const orchard_attention_t*);
 Kernel kernel = nullptr;
 
+// A 4-D float32 operand as the kernel reads it: its last axis contiguous. Strides are only
+// known once MLX has evaluated an array (a view, a broadcast), so this is decided in eval_cpu;
+// the rare operand without a contiguous last axis is copied into a packed buffer first.
+struct Operand {
+  const float* data;
+  long strides[4];
+  int shape[4];
+
+  explicit Operand(const mx::array& x) : data(x.data<float>()) {
+    for (int axis = 0; axis < 4; axis++) strides[axis] = x.strides(axis), shape[axis] = x.shape(axis);
+  }
+  bool packed() const { return strides[3] == 1 || shape[3] == 1; }
+  // Copies into `buffer` (row-major) and points there.
+  void pack(std::vector<float>& buffer) {
+    buffer.resize((size_t)shape[0] * shape[1] * shape[2] * shape[3]);
+    float* out = buffer.data();
+    for (int i = 0; i < shape[0]; i++)
+      for (int j = 0; j < shape[1]; j++)
+        for (int k = 0; k < shape[2]; k++)
+          for (int l = 0; l < shape[3]; l++)
+            *out++ = data[i * strides[0] + j * strides[1] + k * strides[2] + l * strides[3]];
+    data = buffer.data();
+    strides[3] = 1, strides[2] = shape[3], strides[1] = (long)shape[2] * shape[3];
+    strides[0] = strides[1] * shape[1];
+  }
+};
+
 class DecodeAttention : public mx::UnaryPrimitive {
  public:
   DecodeAttention(mx::Stream stream, float scale, bool causal, bool masked)
       : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal), masked_(masked) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
     orchard_attention_t a{};
-    a.B = q.shape(0), a.H = q.shape(1), a.L = q.shape(2), a.D = q.shape(3);
-    a.KH = k.shape(1), a.S = k.shape(2), a.DV = v.shape(3);
-    a.q = q.data<float>(), a.q_b = q.strides(0), a.q_h = q.strides(1), a.q_l = q.strides(2);
-    a.k = k.data<float>(), a.k_b = k.strides(0), a.k_h = k.strides(1), a.k_s = k.strides(2);
-    a.v = v.data<float>(), a.v_b = v.strides(0), a.v_h = v.strides(1), a.v_s = v.strides(2);
     if (masked_) {
-      const auto& m = inputs[3];  // 4-D, broadcastable to (B, H, L, S)
+      const auto& m = inputs[3];  // 4-D, broadcastable to (B, H, L, S): any strides
       auto stride = [&](int axis) { return m.shape(axis) == 1 ? 0L : (long)m.strides(axis); };
       a.mask = reinterpret_cast<const unsigned char*>(m.data<bool>());
       a.m_b = stride(0), a.m_h = stride(1), a.m_l = stride(2), a.m_s = stride(3);
@@ -53,7 +76,17 @@ class DecodeAttention : public mx::UnaryPrimitive {
     a.causal = causal_;
     a.scale = scale_;
     a.out = out.data<float>();
-    encoder.dispatch([a, size = out.size(), run = kernel]() {
+    encoder.dispatch([a, q = Operand(inputs[0]), k = Operand(inputs[1]), v = Operand(inputs[2]),
+                      size = out.size(), run = kernel]() mutable {
+      std::vector<float> buffers[3];
+      Operand* operands[3] = {&q, &k, &v};
+      for (int i = 0; i < 3; i++)
+        if (!operands[i]->packed()) operands[i]->pack(buffers[i]);
+      a.B = q.shape[0], a.H = q.shape[1], a.L = q.shape[2], a.D = q.shape[3];
+      a.KH = k.shape[1], a.S = k.shape[2], a.DV = v.shape[3];
+      a.q = q.data, a.q_b = q.strides[0], a.q_h = q.strides[1], a.q_l = q.strides[2];
+      a.k = k.data, a.k_b = k.strides[0], a.k_h = k.strides[1], a.k_s = k.strides[2];
+      a.v = v.data, a.v_b = v.strides[0], a.v_h = v.strides[1], a.v_s = v.strides[2];
       if (run(&a) != 0)  // decode_attention checked the shapes: never, but never garbage
         for (size_t i = 0; i < size; i++) a.out[i] = NAN;
     });
@@ -89,11 +122,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
     throw std::invalid_argument("shapes the kernel does not take");
   auto stream = mx::to_stream(mx::StreamOrDevice{});
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("CPU only");
-  // The kernel reads each array's last axis as contiguous; anything else is copied first.
-  auto last_contiguous = [&](const mx::array& x) {
-    return x.strides(x.ndim() - 1) == 1 ? x : mx::contiguous(x, false, stream);
-  };
-  std::vector<mx::array> inputs{last_contiguous(q), last_contiguous(k), last_contiguous(v)};
+  std::vector<mx::array> inputs{q, k, v};
   if (mask) {
     mx::array m = *mask;
     if (m.dtype() != mx::bool_ || m.ndim() > 4) throw std::invalid_argument("bool masks only");
@@ -103,7 +132,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
     for (int axis = 0; axis < 4; axis++)
       if (shape[axis] != 1 && shape[axis] != full[axis])
         throw std::invalid_argument("the mask does not broadcast to the scores");
-    inputs.push_back(last_contiguous(mx::reshape(m, shape, stream)));
+    inputs.push_back(mx::reshape(m, shape, stream));
   }
   return mx::array(
       {B, H, L, DV}, mx::float32,

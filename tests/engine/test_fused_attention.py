@@ -136,6 +136,32 @@ def test_a_row_is_the_same_bits_alone_as_left_padded_in_a_batch(fused):
     assert np.array_equal(np.array(theirs)[1], np.array(ours)[0])
 
 
+def test_operands_without_a_contiguous_last_axis_are_read_right(fused):
+    """Views whose strides MLX knows only once evaluated: transposed, reversed, broadcast."""
+    rng = np.random.default_rng(13)
+    q, k, v = arrays(rng, 2, 4, 2, 1, 40, 16, 16)
+    base_k = mx.array(rng.standard_normal((2, 2, 16, 40)).astype(np.float32))
+    cases = {
+        "transposed keys": (q, base_k.swapaxes(-1, -2), v),
+        "reversed last axis": (q[..., ::-1], k, v[..., ::-1]),
+        "broadcast along the last axis": (q, k, mx.broadcast_to(v[..., :1], v.shape)),
+    }
+    for name, (qq, kk, vv) in cases.items():
+        ours = fused.decode_attention(qq, kk, vv, None, 0.25, False)
+        theirs = mx.fast.scaled_dot_product_attention(qq, kk, vv, scale=0.25)
+        assert mx.allclose(ours, theirs, atol=2e-6).item(), name
+
+
+def test_a_nan_score_gives_nan_as_mlx(fused):
+    rng = np.random.default_rng(17)
+    q, k, v = (np.array(x) for x in arrays(rng, 2, 2, 1, 1, 30, 8, 8))
+    q[1, 0, 0, 0] = np.nan
+    ours = np.array(fused.decode_attention(*map(mx.array, (q, k, v)), None, 0.5, False))
+    assert (
+        np.isnan(ours[1, 0]).all() and np.isfinite(ours[0]).all() and np.isfinite(ours[1, 1]).all()
+    )
+
+
 def test_a_row_that_sees_no_key_averages_the_values_as_mlx(fused):
     rng = np.random.default_rng(3)
     q, k, v = arrays(rng, 2, 2, 1, 1, 12, 8, 8)
@@ -233,10 +259,7 @@ def test_the_engine_decodes_with_it_and_greedy_tokens_match_mlx_ops(tiny_llama, 
 
 def test_without_cmake_it_is_not_built_and_attention_stays_on_mlx_ops(monkeypatch, tmp_path):
     monkeypatch.setenv("ORCHARD_NATIVE_CACHE", str(tmp_path))
-    real_which = mlx_extension.shutil.which
-    monkeypatch.setattr(
-        mlx_extension.shutil, "which", lambda name: None if name == "cmake" else real_which(name)
-    )
+    monkeypatch.setattr(mlx_extension, "find_cmake", lambda: None)
     mlx_extension.load_extension.cache_clear()
     attention.fused_kernel.cache_clear()
     try:
