@@ -9,7 +9,8 @@ The default model (SmolLM2-135M float32: 9 query heads over 3 KV heads of 64) is
   BatchKVCache), at batch 1 to 64 over 160 and 1000 keys: best of 50 calls, the two paths
   alternated round by round (its inputs stay in cache here, unlike in a forward);
 - whole decode steps at batch 1 to 64 over a 128-token cache, the two paths alternated step by
-  step for --rounds rounds: median and best of each (a shared machine's noise is ±20% a step).
+  step for --rounds rounds: median and best of each (a shared machine's noise is ±20% a step);
+- the nodes of a batch-16 decode step's graph either way (`mx.export_to_dot`), views included.
 Results go in bench/RESULTS.md.
 """
 
@@ -21,6 +22,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +36,8 @@ from mlx_lm.models import base
 
 from bench.api import load_average, wait_for_quiet, write_results
 from bench.engine import default_model
-from bench.sgemm import decode_step
+from bench.sgemm import CONTEXT, decode_step
+from engine.caches import make_cache, merge
 from engine.kernels import attention
 from engine.loader import load_model
 
@@ -72,6 +75,31 @@ def both_ways(fn, rounds: int, measure) -> tuple[list[float], list[float]]:
             times[fused].append(measure(fn))
     attention.FUSED = True
     return times[False], times[True]
+
+
+def graph_nodes(model, batch: int) -> dict[bool, int]:
+    """Primitives in one decode step's graph (built, not evaluated), without and with the fused
+    kernel, from `mx.export_to_dot`."""
+    caches = []
+    for row in range(batch):
+        cache = make_cache(model)
+        model(mx.array([[100 + row + i for i in range(CONTEXT)]]), cache=cache)
+        mx.eval([layer.state for layer in cache])
+        caches.append(cache)
+    cache = merge(caches)
+    mx.eval([layer.state for layer in cache])
+    counts = {}
+    for fused in (False, True):
+        attention.FUSED = fused
+        logits = model(mx.array([[5]] * batch), cache=cache)
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+            mx.export_to_dot(dot.name, logits)
+            counts[fused] = dot.read().count("shape=rectangle")
+        mx.eval(logits)
+        for layer in cache:
+            layer.trim(1)
+    attention.FUSED = True
+    return counts
 
 
 def one_step_ms(fn) -> float:
@@ -115,6 +143,10 @@ def main() -> None:
         )
         print(steps[-1], flush=True)
 
+    nodes = graph_nodes(model, 16)
+    per_layer = (nodes[False] - nodes[True]) / len(model.layers)
+    print(nodes, flush=True)
+
     command = " ".join([".venv/bin/python", "bench/attention.py", *sys.argv[1:]])
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     block = "\n".join(
@@ -134,6 +166,10 @@ def main() -> None:
             f"alternated step by step, {args.rounds} steps each:",
             "",
             *steps,
+            "",
+            f"A batch-16 decode step's graph: {nodes[False]} nodes with MLX ops, {nodes[True]} "
+            f"with the fused kernel ({per_layer:.1f} fewer a layer, "
+            "views included).",
         ]
     )
     print(block)

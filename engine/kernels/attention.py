@@ -135,11 +135,12 @@ _UNHANDLED = object()
 
 def _fused(queries: mx.array, values: mx.array, mask: Any) -> Any:
     """The fused kernel's module when it takes this call (past `_handles`), else None."""
-    if not FUSED or queries.dtype != mx.float32:
+    module = fused_kernel() if FUSED and queries.dtype == mx.float32 else None
+    if module is None:
         return None
     (B, H, L, D), (n_kv, Dv) = queries.shape, values.shape[1::2]
-    if H // n_kv * L > 24 or D % 8 or Dv % 8 or max(D, Dv) > 256:
-        return None  # mlx_extension's MAX_ROWS and MAX_DIM: the kernel's state on its stack
+    if H // n_kv * L > module.MAX_ROWS or D % 8 or Dv % 8 or max(D, Dv) > module.MAX_DIM:
+        return None  # the kernel's state is on its stack
     if isinstance(mask, str):
         if mask != "causal" or L > values.shape[2]:  # more queries than keys: MLX's own
             return None
@@ -149,13 +150,13 @@ def _fused(queries: mx.array, values: mx.array, mask: Any) -> Any:
         full = (B, H, L, values.shape[2])[4 - mask.ndim :]
         if not all(m in (1, n) for m, n in zip(mask.shape, full, strict=True)):
             return None
-    return fused_kernel()
+    return module
 
 
 @functools.cache
 def fused_kernel() -> Any:
     """The fused kernel's module, built and loaded on first call (engine/kernels' `install`
-    calls this when a model loads: the first build on a machine takes ~20 s), once checked
+    calls this when a model loads: the first build on a machine takes 20-30 s), once checked
     against MLX's attention here; None where it is not available or disagrees."""
     module = mlx_extension.load_extension()
     if module is None:

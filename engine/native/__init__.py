@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCE = HERE / "sgemm.c"
 # Compiled into the same library as SOURCE: the fused decode attention, on sgemm's thread pool.
-ATTENTION_SOURCES = (HERE / "attention.c", HERE / "attention.h")
+ATTENTION_SOURCE = HERE / "attention.c"
+HEADERS = (HERE / "attention.h", HERE / "vector.h")
 CACHE_ENV = "ORCHARD_NATIVE_CACHE"
 FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-Wall", "-Wno-psabi")
 BUILD_TIMEOUT_S = 120
@@ -60,7 +61,7 @@ def library_path(cc: str) -> Path:
         [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout
     key = hashlib.sha256()
-    sources = [path.read_bytes() for path in (SOURCE, *ATTENTION_SOURCES)]
+    sources = [path.read_bytes() for path in (SOURCE, ATTENTION_SOURCE, *HEADERS)]
     for part in (*sources, version.encode(), platform.machine().encode(), *FLAGS):
         key.update(part if isinstance(part, bytes) else part.encode())
     return cache_dir() / f"orchard-sgemm-{key.hexdigest()[:16]}.so"
@@ -80,7 +81,7 @@ def build_sgemm() -> Path | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
             result = subprocess.run(
-                [cc, *FLAGS, "-o", str(built), str(SOURCE), str(ATTENTION_SOURCES[0]), "-ldl"],
+                [cc, *FLAGS, "-o", str(built), str(SOURCE), str(ATTENTION_SOURCE), "-ldl"],
                 capture_output=True,
                 text=True,
                 timeout=BUILD_TIMEOUT_S,

@@ -18,18 +18,11 @@
  * float32's lowest, so every weight is equal).
  */
 #include "attention.h"
+#include "vector.h"
 
 #include <math.h>
 #include <stdint.h>
 
-#if defined(__x86_64__)
-#define KERNEL __attribute__((target("avx2,fma")))
-#else
-#define KERNEL
-#endif
-#define INLINE static inline __attribute__((always_inline))
-
-typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4), may_alias));
 
 void orchard_parallel_for(int total, int chunk, void (*fn)(void *, int, int), void *ctx);
@@ -37,14 +30,8 @@ void orchard_parallel_for(int total, int chunk, void (*fn)(void *, int, int), vo
 enum { BLOCK = 64 }; /* keys per block: its scores stay in L1 beside the values' rows */
 enum { MAX_ROWS = ORCHARD_ATTENTION_MAX_ROWS, MAX_DIM = ORCHARD_ATTENTION_MAX_DIM };
 
-KERNEL INLINE v8 load(const float *p) { return *(const v8 *)p; }
 KERNEL INLINE void store(float *p, v8 x) { *(v8 *)p = x; }
 KERNEL INLINE v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-KERNEL INLINE float hsum(v8 v) {
-  float s0 = (v[0] + v[4]) + (v[1] + v[5]);
-  float s1 = (v[2] + v[6]) + (v[3] + v[7]);
-  return s0 + s1;
-}
 KERNEL INLINE v8 select(v8i mask, v8 yes, v8 no) {
   return (v8)(((v8i)yes & mask) | ((v8i)no & ~mask));
 }

@@ -1,6 +1,6 @@
 // The MLX primitive around Orchard's fused decode attention (attention.c, in the sgemm
-// library): one node of the graph where MLX's CPU backend has ~12 (two matmuls looping over
-// sequences and heads, the softmax's ops), run on the CPU stream like any other op.
+// library): one node of the graph where MLX's CPU backend has ~21 a layer (two matmuls looping
+// over sequences and heads, the softmax's ops, the views between them: bench/attention.py), run on the CPU stream like any other op.
 //
 // Built on first use by engine/native/mlx_extension.py (nanobind, in MLX's domain, so its
 // arrays are MLX's own); the kernel's address comes from Python (engine/blas.py loaded the

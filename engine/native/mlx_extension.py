@@ -3,8 +3,8 @@ loaded on first use (attention_mlx.cpp; the kernel itself is attention.c, in the
 
 A C++ extension rather than ctypes on evaluated arrays: as a node of MLX's graph it runs on the
 CPU stream in order with the other ops, so a forward needs no evaluation per layer (a
-prototype that evaluated its inputs before each call paid 0.1-0.5 ms a layer for it, as much
-as the kernel saved).
+throwaway prototype that evaluated its inputs before each call lost to that evaluation what
+the kernel saved: bench/RESULTS.md, "Fused decode attention").
 
 Built with CMake and nanobind in MLX's nanobind domain (so MLX's arrays pass as themselves),
 against the installed MLX's headers and library, into the native cache folder under a name

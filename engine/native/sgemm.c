@@ -29,19 +29,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "vector.h"
+
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
-
-#if defined(__x86_64__)
-#define KERNEL __attribute__((target("avx2,fma")))
-#else
-#define KERNEL
-#endif
-#define INLINE static inline __attribute__((always_inline))
-
-typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 
 static sgemm_fn backend;
 static char backend_path[4096];
@@ -61,14 +54,6 @@ static atomic_long num_fast, num_forwarded;
 #define YIELD_AFTER_SPINS 512
 /* Pieces of a product per thread, so a thread held back leaves its share to the others. */
 #define PIECES_PER_THREAD 6
-
-KERNEL INLINE v8 load(const float *p) { return *(const v8 *)p; }
-
-KERNEL INLINE float hsum(v8 v) {
-  float s0 = (v[0] + v[4]) + (v[1] + v[5]);
-  float s1 = (v[2] + v[6]) + (v[3] + v[7]);
-  return s0 + s1;
-}
 
 KERNEL INLINE void put(float *c, float r, float alpha, float beta) {
   *c = beta == 0.0f ? alpha * r : alpha * r + beta * *c;

@@ -97,6 +97,8 @@ def test_masks_of_every_shape_match_mlx_through_the_models_entry(fused, L):
     original = fused.decode_attention
 
     class Spy:
+        MAX_ROWS, MAX_DIM = fused.MAX_ROWS, fused.MAX_DIM
+
         def decode_attention(self, *args):
             calls.append(args)
             return original(*args)
@@ -174,7 +176,15 @@ def test_a_row_that_sees_no_key_averages_the_values_as_mlx(fused):
 
 def test_what_it_does_not_take_stays_on_mlx_ops(fused, monkeypatch):
     taken = []
-    monkeypatch.setattr(attention, "fused_kernel", lambda: taken.append(1) or fused)
+
+    class Spy:
+        MAX_ROWS, MAX_DIM = fused.MAX_ROWS, fused.MAX_DIM
+
+        def decode_attention(self, *args):
+            taken.append(1)
+            return fused.decode_attention(*args)
+
+    monkeypatch.setattr(attention, "fused_kernel", Spy)
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
     rng = np.random.default_rng(5)
 
@@ -239,6 +249,8 @@ def test_the_engine_decodes_with_it_and_greedy_tokens_match_mlx_ops(tiny_llama, 
     module = attention.fused_kernel()
 
     class Spy:
+        MAX_ROWS, MAX_DIM = module.MAX_ROWS, module.MAX_DIM
+
         def decode_attention(self, q, *args):
             calls.append(q.shape[2])
             return module.decode_attention(q, *args)

@@ -445,6 +445,8 @@ def test_greedy_tokens_are_the_same_with_the_fast_kernels_on_and_off(tiny_model,
     fused = attention.fused_kernel()
 
     class FusedSpy:  # the fused kernel's calls (decode steps, short blocks), by mask kind
+        MAX_ROWS, MAX_DIM = fused.MAX_ROWS, fused.MAX_DIM
+
         def decode_attention(self, queries, keys, values, mask, *args):
             kind = "fused " + ("none" if mask is None else str(mask.dtype))
             fast_calls.add((kind, "prefill" if queries.shape[2] > 1 else "decode"))
