@@ -83,11 +83,11 @@ bench-workers: setup
 bench-blas: setup
 	$(PY) bench/blas.py --busy
 
-# Orchard's cblas_sgemm (engine/native/sgemm.c) against the BLAS alone.
+# Orchard's cblas_sgemm (engine/kernels/native/sgemm.c) against the BLAS alone.
 bench-sgemm: setup
 	$(PY) bench/sgemm.py
 
-# Orchard's fused decode attention (engine/native/attention.c) against MLX ops.
+# Orchard's fused decode attention (engine/kernels/native/attention.c) against MLX ops.
 bench-attention: setup
 	$(PY) bench/attention.py
 

@@ -90,7 +90,7 @@ def setup_home(home: Path) -> tuple[str, str]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     call_command("migrate", verbosity=0, interactive=False)
     if not (MODEL_DIR / "config.json").exists():
-        from engine.gguf import convert_gguf, default_gguf_path
+        from engine.models.gguf import convert_gguf, default_gguf_path
 
         convert_gguf(default_gguf_path(), MODEL_DIR, dtype="float32")
     model_register(name=MODEL, path=MODEL_DIR, make_default=True)

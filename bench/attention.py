@@ -1,5 +1,5 @@
-"""Orchard's fused decode attention (engine/native/attention.c, an MLX primitive) against the
-path of MLX ops it replaces (engine/kernels/attention.py with the fused kernel off), in one
+"""Orchard's fused decode attention (engine/kernels/native/attention.c, an MLX primitive) against
+the path of MLX ops it replaces (engine/kernels/attention.py with the fused kernel off), in one
 process.
 
     .venv/bin/python bench/attention.py [--rounds 20]        # make bench-attention
@@ -37,9 +37,9 @@ from mlx_lm.models import base
 from bench.api import load_average, wait_for_quiet, write_results
 from bench.engine import default_model
 from bench.sgemm import CONTEXT, decode_step
-from engine.caches import make_cache, merge
+from engine.cache.mlx_caches import make_cache, merge
 from engine.kernels import attention
-from engine.loader import load_model
+from engine.models.loader import load_model
 
 TITLE = "# Fused decode attention (bench/attention.py)"
 START = "<!-- bench/attention.py: latest run (written by the script) -->"

@@ -3,7 +3,7 @@
     .venv/bin/python bench/blas.py [--model PATH] [--rounds 3] [--libs openblas,blis,mkl]
                                    [--threads 1,2] [--busy]
 
-`mlx[cpu]` on Linux links a reference BLAS; engine/blas.py loads a fast one with RTLD_GLOBAL
+`mlx[cpu]` on Linux links a reference BLAS; engine/kernels/blas.py loads a fast one with RTLD_GLOBAL
 before mlx so that its `cblas_sgemm` is the one libmlx.so binds. Only one library can win that
 symbol per process, so each candidate is measured in a fresh subprocess (this script with
 `--worker`, ORCHARD_BLAS naming the library file, its thread count in OPENBLAS_NUM_THREADS /
@@ -17,7 +17,8 @@ reference BLAS's rate), then times:
   pre-transposed, (in, out) contiguous, `x @ W`, is timed too, to see whether layout matters.
   Each timing evaluates enough distinct weight matrices to exceed the 32 MB L3 cache, as the
   model's 538 MB of weights do, so weights stream from memory as they do in a forward.
-- the default model's forward through engine.loader (the engine's own load path): decode steps
+- the default model's forward through engine.models.loader (the engine's own load path): decode
+steps
   at batch 1, 4, 8 and 16 over a 32-token cache, and one 128-token prefill chunk.
 
 Candidates alternate across rounds (the machine is shared; its speed moves by more than the
@@ -84,7 +85,7 @@ def best_ms(fn, repeat: int) -> float:
 
 def worker(args: argparse.Namespace) -> None:
     import engine  # noqa: F401  (loads ORCHARD_BLAS before mlx)
-    from engine import blas
+    from engine.kernels import blas
 
     # isort: split
     import mlx.core as mx
@@ -131,7 +132,7 @@ def forwards(mx, model_path: str, repeat: int) -> dict[str, float]:
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.loader import load_model
+    from engine.models.loader import load_model
 
     model = load_model(model_path).model
     rng = random.Random(0)
@@ -164,7 +165,7 @@ def forwards(mx, model_path: str, repeat: int) -> dict[str, float]:
 
 
 def ensure_blis() -> str | None:
-    from engine.blas import find_library
+    from engine.kernels.blas import find_library
 
     path = find_library("blis")
     if path or os.geteuid() != 0 or not shutil.which("apt-get"):
@@ -380,7 +381,7 @@ def main() -> None:
         from bench.engine import default_model
 
         args.model = default_model()
-    from engine.blas import find_library
+    from engine.kernels.blas import find_library
 
     found = {"openblas": find_library("openblas"), "blis": ensure_blis(), "mkl": ensure_mkl()}
     libraries = {}

@@ -29,17 +29,17 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.batched import BatchedEngine
-from engine.loader import LoadedModel, load_model
+from engine.core.batched import BatchedEngine
+from engine.core.sampled import sample
+from engine.core.sampling import SamplingState, sample_batch
+from engine.models.loader import LoadedModel, load_model
 from engine.protocol import GenerationRequest, ModelSpec, SamplingParams
-from engine.sampled import sample
-from engine.sampling import SamplingState, sample_batch
 
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 
 
 def default_model() -> Path:
-    from engine.gguf import convert_gguf, default_gguf_path
+    from engine.models.gguf import convert_gguf, default_gguf_path
 
     folder = Path("var/cache/test-models/smollm2-135m-f32")
     if not (folder / "config.json").exists():

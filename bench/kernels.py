@@ -40,9 +40,9 @@ from mlx_lm.models import activations
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from bench.engine import default_model
-from engine import kernels
+from engine.kernels import fast as kernels
 from engine.kernels import rope as rope_kernel
-from engine.loader import load_model
+from engine.models.loader import load_model
 
 SHAPES = ((128, 1536), (16, 1536), (1, 8960))
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 9, 3, 64, 576  # SmolLM2-135M

@@ -47,7 +47,7 @@ import uuid  # noqa: E402
 import httpx  # noqa: E402
 
 from bench.api import MODEL_DIR, load_average  # noqa: E402
-from engine.blas import find_blas  # noqa: E402
+from engine.kernels.blas import find_blas  # noqa: E402
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -207,7 +207,7 @@ def orchard_home(home: Path, models: dict[str, tuple[Path, dict]]) -> str:
 
 
 def start_mlx_lm(path: Path, port: int, log: Path) -> subprocess.Popen:
-    # The same fast BLAS Orchard loads (engine/blas.py), or the comparison is with MLX's
+    # The same fast BLAS Orchard loads (engine/kernels/blas.py), or the comparison is with MLX's
     # reference BLAS, ~50x slower.
     env = dict(os.environ)
     blas = find_blas()
@@ -235,7 +235,7 @@ def start_mlx_lm(path: Path, port: int, log: Path) -> subprocess.Popen:
 def run(args) -> dict:
     default_path = MODEL_DIR
     if not (default_path / "config.json").exists():
-        from engine.gguf import convert_gguf, default_gguf_path
+        from engine.models.gguf import convert_gguf, default_gguf_path
 
         convert_gguf(default_gguf_path(), default_path, dtype="float32")
     hybrid_path = hybrid_model()

@@ -7,8 +7,8 @@
 daphne with config.asgi (as `make serve`) over a throwaway ORCHARD_HOME, the default model
 registered with the registry's defaults and a key without limits (bench/api.py's setup_home);
 and `mlx_lm.server --model DIR --port P` on the same folder, with its defaults. Both preload
-engine/blas.py's BLAS (RTLD_GLOBAL, before mlx): Orchard by `import engine`, mlx_lm.server by a
-`python -c` bootstrap; the run checks both have it mapped. Per level, that many concurrent
+engine/kernels/blas.py's BLAS (RTLD_GLOBAL, before mlx): Orchard by `import engine`, mlx_lm.server
+by a `python -c` bootstrap; the run checks both have it mapped. Per level, that many concurrent
 streamed chats (`openai` client), each its own ~96-token prompt (seeded random words, the same
 for both, new each round), max_tokens 64, greedy. Orchard ignores EOS (`ignore_eos`);
 mlx_lm.server cannot, so the prompts ask for a long story and tokens per stream (`usage`) are
@@ -47,7 +47,7 @@ import httpx  # noqa: E402
 
 from bench.api import MODEL, MODEL_DIR, load_average, setup_home, wait_for_quiet, write_results  # noqa: E402
 from bench.prefix import WORDS  # noqa: E402
-from engine.blas import fast_sgemm_wanted, find_blas  # noqa: E402
+from engine.kernels.blas import fast_sgemm_wanted, find_blas  # noqa: E402
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
 SECTION_TITLE = "# Orchard against mlx_lm.server (bench/serve_compare.py)"
@@ -287,7 +287,7 @@ def main() -> None:
     command = shlex.join([".venv/bin/python", "bench/serve_compare.py", *sys.argv[1:]])
     blas = find_blas()
     if blas is None:
-        parser.error("no BLAS library to preload (engine/blas.py found none, or it is off)")
+        parser.error("no BLAS library to preload (engine/kernels/blas.py found none, or it is off)")
     # SIGTERM unwinds like Ctrl-C, through the `finally` that stops both servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
@@ -336,7 +336,7 @@ def main() -> None:
             f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, openai {version('openai')}; "
             f"both servers preload `{blas}` (RTLD_GLOBAL, before mlx); Orchard "
             + (
-                "puts its own cblas_sgemm in front of it (engine/native/sgemm.c)."
+                "puts its own cblas_sgemm in front of it (engine/kernels/native/sgemm.c)."
                 if fast_sgemm_wanted()
                 else "without its own cblas_sgemm (ORCHARD_FAST_SGEMM=0)."
             ),

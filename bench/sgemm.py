@@ -1,10 +1,12 @@
-"""Orchard's cblas_sgemm (engine/native/sgemm.c) against the BLAS library alone, in one process.
+"""Orchard's cblas_sgemm (engine/kernels/native/sgemm.c) against the BLAS library alone, in one
+process.
 
     .venv/bin/python bench/sgemm.py [--rounds 5]        # make bench-sgemm
 
 The default model (SmolLM2-135M float32) is loaded once; every figure is taken with Orchard's
 sgemm taking products of up to `--max-rows` rows and with it handing every product to the
-library (`engine.blas.sgemm_max_rows`), the two alternated round by round, best of `--rounds`:
+library (`engine.kernels.blas.sgemm_max_rows`), the two alternated round by round, best of
+`--rounds`:
 - the model's weight matmuls (its 210 Linear layers and the tied vocabulary head) for M rows;
 - one sequence's attention in a decode step, as MLX calls it (each sequence and KV head its own
   product): 3 query heads by 64 against 160 keys, scores then values;
@@ -33,9 +35,9 @@ from mlx.utils import tree_flatten
 
 from bench.api import load_average, wait_for_quiet, write_results
 from bench.engine import default_model
-from engine import blas
-from engine.caches import make_cache, merge
-from engine.loader import load_model
+from engine.cache.mlx_caches import make_cache, merge
+from engine.kernels import blas
+from engine.models.loader import load_model
 
 TITLE = "# Small-M sgemm (bench/sgemm.py)"
 START = "<!-- bench/sgemm.py: latest run (written by the script) -->"
@@ -133,7 +135,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     if not blas.sgemm_fast():
-        parser.error("Orchard's sgemm is not loaded here (engine/blas.py)")
+        parser.error("Orchard's sgemm is not loaded here (engine/kernels/blas.py)")
     wait_for_quiet(args.max_load, args.max_wait)
     load_before = load_average()
     model = load_model(default_model(), name="smollm2").model

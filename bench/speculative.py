@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (engine/speculative.py) on the default model.
+"""Speculative decoding by prompt lookup (engine/core/speculative.py) on the default model.
 
     .venv/bin/python bench/speculative.py [--repeat 2] [--streams 1 4]     # make bench-speculative
 
@@ -8,7 +8,7 @@ typos in this text", a different ~150-word passage per stream; greedy, up to 200
 ends a reply: the model copies most of its input) and "random" (random-token prompts, 64
 tokens, EOS ignored: nothing to look up, so this measures what drafting costs when it fails).
 With `--draft-model PATH` (or `self`: the default model drafting for itself) each row is also
-run with that model proposing the drafts (engine/draft_model.py). Greedy outputs must be
+run with that model proposing the drafts (engine/core/draft_model.py). Greedy outputs must be
 identical with and without; the run stops if they are not. Orchard's
 `BatchedEngine` is stepped on this thread (no HTTP). Results go in bench/RESULTS.md.
 """
@@ -31,8 +31,8 @@ import engine  # noqa: F401  (first: OpenBLAS must load before mlx)
 # isort: split
 from bench.api import write_results
 from bench.engine import default_model
-from engine.batched import BatchedEngine
-from engine.loader import LoadedModel, load_model
+from engine.core.batched import BatchedEngine
+from engine.models.loader import LoadedModel, load_model
 from engine.protocol import GenerationRequest, ModelSpec, SamplingParams
 
 TITLE = "# Speculative decoding (bench/speculative.py)"

@@ -1,9 +1,9 @@
 """Orchard's MLX engine. Core modules import no Django (see ARCHITECTURE.md).
 
-Importing this package loads a fast BLAS first on Linux (engine/blas.py), so that MLX's CPU
+Importing this package loads a fast BLAS first on Linux (engine/kernels/blas.py), so that MLX's CPU
 backend uses it.
 """
 
-from engine.blas import preload_blas
+from engine.kernels.blas import preload_blas
 
 preload_blas()

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from engine.client import EngineClient
-from engine.embeddings import Embedders, EmbeddingInfo
+from engine.models.embeddings import Embedders, EmbeddingInfo
 from engine.protocol import (
     EngineStats,
     GenerationOutput,
@@ -32,7 +32,7 @@ from engine.protocol import (
     PromptInput,
     RenderedPrompt,
 )
-from engine.rendering import PromptRenderer
+from engine.text.rendering import PromptRenderer
 from engine.worker import EngineWorker
 
 logger = logging.getLogger(__name__)

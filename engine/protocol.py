@@ -113,9 +113,9 @@ class ModelSpec:
     # 0: no prefix cache).
     memory_budget_bytes: int | None = None
     prefix_cache_bytes: int | None = None
-    # Speculative decoding (engine/speculative.py): the longest draft a decode step checks per
+    # Speculative decoding (engine/core/speculative.py): the longest draft a decode step checks per
     # sequence; 0: off. Drafts come from `draft_path`'s model where set (a smaller model of
-    # the same tokenizer, engine/draft_model.py), else by prompt lookup.
+    # the same tokenizer, engine/core/draft_model.py), else by prompt lookup.
     speculative_tokens: int = 0
     draft_path: str | None = None
 
@@ -197,7 +197,7 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     # Structured output: an llguidance grammar (from a JSON schema, Lark or a regex; built and
-    # checked by the server) every token of the completion must follow (engine/grammar.py).
+    # checked by the server) every token of the completion must follow (engine/text/grammar.py).
     grammar: str | None = None
     # Special tokens (by their text, e.g. "[TOOL_CALLS]") that stay in the output text instead of
     # being dropped: the markers the model's tool-call parser reads. Set by the server.

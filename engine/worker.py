@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.batched import BatchedEngine
-from engine.loader import LoadedModel, load_model
-from engine.loop import EngineLoop, describe
+from engine.core.batched import BatchedEngine
+from engine.core.loop import EngineLoop, describe
+from engine.core.request import Emit
+from engine.core.simple import SimpleEngine
+from engine.models.loader import LoadedModel, load_model
 from engine.protocol import (
     EngineStats,
     GenerationRequest,
@@ -25,8 +27,6 @@ from engine.protocol import (
     ModelSpec,
     ModelStatus,
 )
-from engine.request import Emit
-from engine.simple import SimpleEngine
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from django.utils.html import format_html
 
 from accounts import keys
 from accounts.admin import KeySearchMixin, VisibleTeamFilter
-from engine.model_config import folder_context_length
+from engine.models.config import folder_context_length
 from inference.engine_access import get_engine_client, registry_changed
 from inference.models import (
     ERROR_DEFAULT_MUST_BE_ENABLED,

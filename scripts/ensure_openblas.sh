@@ -1,6 +1,6 @@
 #!/bin/sh
 # MLX's CPU backend on Linux ships a slow reference BLAS; Orchard loads OpenBLAS before mlx
-# (engine/blas.py). This makes sure the library is there. OpenBLAS, not BLIS or MKL, because
+# (engine/kernels/blas.py). This makes sure the library is there. OpenBLAS, not BLIS or MKL, because
 # it is the fastest for decode at batch 16 and for prefill, measured by bench/blas.py
 # (bench/RESULTS.md, "BLAS choice"); ORCHARD_BLAS chooses another one where it is installed.
 [ "$(uname -s)" = "Linux" ] || exit 0

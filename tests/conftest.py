@@ -36,7 +36,7 @@ def tiny_model_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The default model, converted from its GGUF once per cache (float32)."""
-    from engine.gguf import convert_gguf, default_gguf_path
+    from engine.models.gguf import convert_gguf, default_gguf_path
 
     folder = Path(settings.ORCHARD_HOME) / "cache" / "test-models" / "smollm2-135m-f32"
     if not (folder / "config.json").exists():

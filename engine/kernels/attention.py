@@ -29,10 +29,10 @@ runs once per machine).
 
 Decode steps and other short query blocks in float32 (at most 24 query rows per KV head, head
 dimensions multiples of 8 up to 256, no mask or a bool or causal one) go instead to one fused
-kernel, engine/native/attention.c as an MLX primitive (engine/native/mlx_extension.py): the
-whole attention of a layer in one op, its (sequence, KV head) tasks on the sgemm pool's
-threads, keys and values read once (bench/RESULTS.md, "Fused decode attention").
-`ORCHARD_FUSED_ATTENTION=0`, or `FUSED` set False, keeps them on the path above.
+kernel, engine/kernels/native/attention.c as an MLX primitive
+(engine/kernels/native/mlx_extension.py): the whole attention of a layer in one op, its (sequence,
+KV head) tasks on the sgemm pool's threads, keys and values read once (bench/RESULTS.md, "Fused
+decode attention"). `ORCHARD_FUSED_ATTENTION=0`, or `FUSED` set False, keeps them on the path above.
 
 Anything else goes to mlx-lm's own: off the CPU, attention sinks, quantized caches, inputs it
 does not recognise (dtypes, ranks, mask shapes), and calls too small to gain (`MIN_SCORES`).
@@ -59,7 +59,7 @@ from engine.kernels.fastexp import (
     exponent_bits,
     reduced,
 )
-from engine.native import mlx_extension
+from engine.kernels.native import mlx_extension
 
 logger = logging.getLogger(__name__)
 

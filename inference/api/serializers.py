@@ -9,7 +9,7 @@ from typing import Any
 from rest_framework import serializers
 
 from engine.protocol import InvalidRequestError
-from engine.templates import check_template_kwargs
+from engine.text.templates import check_template_kwargs
 from inference.api import jsonbody
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -80,8 +80,8 @@ class IntField(serializers.Field):
 
 
 class TemplateKwargsField(serializers.DictField):
-    """`chat_template_kwargs`: template variables only (engine.templates.check_template_kwargs);
-    null or absent is {}."""
+    """`chat_template_kwargs`: template variables only
+    (engine.text.templates.check_template_kwargs); null or absent is {}."""
 
     def __init__(self, **kwargs):
         super().__init__(required=False, allow_null=True, **kwargs)

@@ -1,5 +1,5 @@
 """harmony: gpt-oss replies in OpenAI's harmony format, parsed by `openai-harmony` from the
-token ids (engine/harmony.py loads its encoding offline). Channel `analysis` is reasoning,
+token ids (engine/text/harmony.py loads its encoding offline). Channel `analysis` is reasoning,
 `final` is content, a message addressed `to=functions.NAME` is a call of NAME whose message is
 its arguments (streamed as generated); commentary without a recipient (a preamble) is
 content."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from engine.harmony import harmony_encoding
+from engine.text.harmony import harmony_encoding
 from inference.parsers.base import ParsedDelta, ToolCallDelta, ToolParser
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from django.utils import timezone
 from accounts import limits
 from accounts.models import ApiKey
 from config.request_threads import detach
-from engine.embeddings import EmbeddingInfo, EmbeddingLoadError
+from engine.models.embeddings import EmbeddingInfo, EmbeddingLoadError
 from inference.engine_access import get_engine_client
 from inference.errors import APIError, model_not_found
 from inference.models import ModelEntry, UsageRecord

@@ -1,6 +1,6 @@
 """Structured output at the edge: what a request asks its output to follow, as one llguidance
 grammar, checked here (a grammar the library refuses is a 400 naming the field it came from),
-then enforced by the engine token by token (engine/grammar.py).
+then enforced by the engine token by token (engine/text/grammar.py).
 
 - `response_format` (chat) / `text.format` (responses): `json_object` is any JSON object,
   `json_schema` the caller's schema.

@@ -28,7 +28,7 @@ from django.views.decorators.http import require_http_methods
 from accounts.models import ApiKey, Membership, Team
 from accounts.selectors import teams_owned_by
 from accounts.services import api_key_create, api_key_revoke
-from engine.model_config import folder_context_length
+from engine.models.config import folder_context_length
 from inference.engine_access import get_engine_client
 from inference.models import ModelEntry
 from inference.services import reports

@@ -37,7 +37,7 @@ from typing import Any
 from asgiref.sync import async_to_sync
 
 from engine.client import EngineClient
-from engine.embeddings import Embedders
+from engine.models.embeddings import Embedders
 from engine.protocol import (
     EngineStats,
     GenerationOutput,
@@ -51,7 +51,7 @@ from engine.protocol import (
     PromptInput,
     RenderedPrompt,
 )
-from engine.rendering import PromptRenderer
+from engine.text.rendering import PromptRenderer
 from inference.workers.beats import BeatStore, WorkerBeat, model_status, sum_stats
 from inference.workers.ordering import EventOrder, PrefixAffinity
 from inference.workers.wire import (
@@ -691,7 +691,7 @@ class RemoteEngineClient(EngineClient):
 
 
 def _load_tokenizer(folder: Path, info: ModelInfo):
-    from engine.loader import load_tokenizer
+    from engine.models.loader import load_tokenizer
 
     try:
         return load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids))[0]

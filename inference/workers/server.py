@@ -35,7 +35,7 @@ from engine.protocol import (
     ModelSpec,
     PromptInput,
 )
-from engine.rendering import PromptRenderer
+from engine.text.rendering import PromptRenderer
 from engine.worker import EngineWorker
 from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
 from inference.workers.wire import (

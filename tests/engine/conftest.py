@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import pytest
 
-from engine.batched import BatchedEngine
-from engine.loader import LoadedModel, load_model
-from engine.loop import EngineLoop
+from engine.core.batched import BatchedEngine
+from engine.core.loop import EngineLoop
+from engine.core.simple import SimpleEngine
+from engine.models.loader import LoadedModel, load_model
 from engine.protocol import GenerationOutput, GenerationRequest, ModelSpec, SamplingParams
-from engine.simple import SimpleEngine
 from tests.fixtures.tiny_models import build_tiny_model
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import engine.blas as blas
+import engine.kernels.blas as blas
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the BLAS preload is Linux-only"

@@ -10,7 +10,7 @@ from mlx_lm.tokenizer_utils import load
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import StreamDetokenizer, token_bytes, token_text
+from engine.text.detokenizer import StreamDetokenizer, token_bytes, token_text
 
 TOKENIZERS = Path(__file__).resolve().parents[2] / "var" / "cache" / "tokenizers"
 TEXT = "Héllo wörld! 😀🎉 日本語のテキスト, naïve café.\n  Indented   spaces\tand tabs 👩‍👩‍👧 end"

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (engine/draft_model.py): outputs identical with and
+"""Speculative decoding with a draft model (engine/core/draft_model.py): outputs identical with and
 without it (greedy, seeded sampling at temperature > 0, n > 1, rows joining and leaving), a
 draft model that agrees with the served one has all its drafts kept, and a draft model that
 cannot draft for a model is refused when the model loads."""
@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from engine.batched import BatchedEngine
-from engine.draft_model import DraftModelError
+from engine.core.batched import BatchedEngine
+from engine.core.draft_model import DraftModelError
 from engine.protocol import SamplingParams
 from tests.engine.conftest import drive, greedy, make_request, manual_engine
 from tests.engine.test_identity import assert_same_events

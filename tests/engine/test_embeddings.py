@@ -1,4 +1,4 @@
-"""The MLX sentence encoder (engine/embeddings.py) on the real all-MiniLM-L6-v2: equal to an
+"""The MLX sentence encoder (engine/models/embeddings.py) on the real all-MiniLM-L6-v2: equal to an
 independent NumPy BERT to 1e-4, padded batches equal to one input at a time, similar sentences
 closer than unrelated ones, concurrent requests share forwards and get their own rows."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from django.conf import settings
 
-from engine.embeddings import (
+from engine.models.embeddings import (
     EmbeddingEngine,
     EmbeddingLoadError,
     EmbeddingModel,

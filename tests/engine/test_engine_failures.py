@@ -7,8 +7,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-import engine.loop
-import engine.sampling
+import engine.core.loop
+import engine.core.sampling
 from engine.local import LocalEngineClient
 from engine.protocol import InvalidRequestError, ModelNotLoadedError, ModelSpec, SamplingParams
 from engine.worker import EngineWorker
@@ -52,9 +52,9 @@ class _BrokenDetokenizer:
 
 
 def _break_detokenizer(monkeypatch, client):
-    real = engine.loop.StreamDetokenizer
+    real = engine.core.loop.StreamDetokenizer
     monkeypatch.setattr(
-        engine.loop,
+        engine.core.loop,
         "StreamDetokenizer",
         lambda tokenizer, stop, **kwargs: (_BrokenDetokenizer if "boom" in stop else real)(
             tokenizer, stop=stop, **kwargs
@@ -75,14 +75,14 @@ def _break_scheduler_add(monkeypatch, client):
 
 
 def _break_sampling_state(monkeypatch, client):
-    real = engine.loop.SamplingState
+    real = engine.core.loop.SamplingState
 
     def build(params, **kwargs):
         if "boom" in params.stop:
             raise MemoryError("no room for the sampling state")
         return real(params, **kwargs)
 
-    monkeypatch.setattr(engine.loop, "SamplingState", build)
+    monkeypatch.setattr(engine.core.loop, "SamplingState", build)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +169,7 @@ async def test_mlx_arrays_are_made_only_on_the_servedthread(client, monkeypatch)
             threads.append(threading.current_thread())
             return mx.zeros(*args, **kwargs)
 
-    monkeypatch.setattr(engine.sampling, "mx", SpyMx())
+    monkeypatch.setattr(engine.core.sampling, "mx", SpyMx())
     params = SamplingParams(temperature=0.7, seed=1, repetition_penalty=1.2, n=2, max_tokens=3)
     await outputs_of(client, "spied", params)
     servedthread = client.worker.get("tiny")._thread

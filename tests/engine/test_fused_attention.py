@@ -1,6 +1,6 @@
-"""Orchard's fused decode attention: engine/native/attention.c as an MLX primitive
-(engine/native/mlx_extension.py), the path engine/kernels/attention.py takes for float32 decode
-steps and other short query blocks on the CPU."""
+"""Orchard's fused decode attention: engine/kernels/native/attention.c as an MLX primitive
+(engine/kernels/native/mlx_extension.py), the path engine/kernels/attention.py takes for float32
+decode steps and other short query blocks on the CPU."""
 
 import threading
 
@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models import base
 
 from engine.kernels import attention
-from engine.native import mlx_extension
+from engine.kernels.native import mlx_extension
 from engine.protocol import SamplingParams
 from tests.engine.conftest import make_request, run_batched
 

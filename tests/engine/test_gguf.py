@@ -10,7 +10,7 @@ import mlx_lm
 import pytest
 from mlx_lm.gguf import permute_weights
 
-from engine.gguf import _unpermute_rows, convert_gguf, default_gguf_path
+from engine.models.gguf import _unpermute_rows, convert_gguf, default_gguf_path
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

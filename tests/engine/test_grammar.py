@@ -11,7 +11,7 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from engine.loader import load_model
+from engine.models.loader import load_model
 from engine.protocol import SamplingParams
 from inference.services.structured import extension_grammar, json_schema_grammar
 from tests.engine.conftest import (

@@ -11,10 +11,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine.batched import BatchedEngine
+from engine.core.batched import BatchedEngine
+from engine.core.runner import BatchRunner
+from engine.core.scheduler import Scheduler
 from engine.protocol import SamplingParams
-from engine.runner import BatchRunner
-from engine.scheduler import Scheduler
 from tests.engine.conftest import (
     Collector,
     greedy,
@@ -208,7 +208,7 @@ def test_one_token_prompt_admitted_with_longer_ones_changes_no_row(tiny_model):
 
 
 def test_a_prompts_last_logits_are_projected_alone_and_equal_the_models_own(tiny_model):
-    import engine.runner as runner
+    import engine.core.runner as runner
 
     model = tiny_model.model
     forward = runner.last_logits(model)

@@ -16,9 +16,9 @@ from mlx_lm.models import activations, base, switch_layers
 from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.utils import load_model as mlx_load_model
 
-from engine import kernels
 from engine.kernels import attention, fastexp
-from engine.loader import load_model
+from engine.kernels import fast as kernels
+from engine.models.loader import load_model
 from engine.protocol import SamplingParams
 from tests.engine.conftest import make_request, run_batched
 from tests.fixtures.tiny_models import build_tiny_model

@@ -2,8 +2,8 @@
 
 import pytest
 
-import engine.loader as loader
-from engine.templates import apply_chat_template
+import engine.models.loader as loader
+from engine.text.templates import apply_chat_template
 from tests.fixtures.tiny_models import build_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]

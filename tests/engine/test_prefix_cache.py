@@ -6,7 +6,7 @@ import gc
 import mlx.core as mx
 import pytest
 
-from engine.prefix_cache import PrefixCache
+from engine.cache.prefix import PrefixCache
 
 HEADS, DIM = 2, 4
 BYTES_PER_TOKEN = 2 * HEADS * DIM * 4  # keys + values, one attention layer, float32

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from engine.batched import BatchedEngine
+from engine.core.batched import BatchedEngine
+from engine.core.simple import SimpleEngine
 from engine.protocol import GenerationRequest
-from engine.simple import SimpleEngine
 from tests.engine.conftest import drive, greedy, manual_engine, run_batched, run_simple
 
 MAX_TOKENS = 8
@@ -132,7 +132,7 @@ def test_prompts_completing_together_from_hits_and_earlier_chunks_change_no_toke
     """The prompts that complete in one step are prefilled as one padded batch from wherever
     each one's cache stands: a hit on a shared system prompt, an earlier chunk, or nothing
     (a dense model; a hybrid one batches only whole prompts)."""
-    from engine.runner import BatchRunner
+    from engine.core.runner import BatchRunner
 
     vocab = tiny_model.info.vocab_size
     system = tokens(vocab, 40, seed=15)

@@ -8,9 +8,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine import kernels
+from engine.kernels import fast as kernels
 from engine.kernels import rope as rope_kernel
-from engine.loader import load_model
+from engine.models.loader import load_model
 from tests.fixtures.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(

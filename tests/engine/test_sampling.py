@@ -8,8 +8,8 @@ import math
 import mlx.core as mx
 import pytest
 
+from engine.core.sampling import SamplingState, sample_batch
 from engine.protocol import SamplingParams
-from engine.sampling import SamplingState, sample_batch
 
 VOCAB = 64
 EOS = 0

@@ -1,6 +1,6 @@
-"""Orchard's cblas_sgemm (engine/native/sgemm.c): loaded in front of the BLAS library, exact to
-float32 rounding on every shape it takes, the same bits for a row whatever the batch around it,
-and everything else handed to the library unchanged."""
+"""Orchard's cblas_sgemm (engine/kernels/native/sgemm.c): loaded in front of the BLAS library,
+exact to float32 rounding on every shape it takes, the same bits for a row whatever the batch
+around it, and everything else handed to the library unchanged."""
 
 import ctypes
 import os
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import engine  # noqa: F401  (the BLAS and Orchard's sgemm before mlx)
-import engine.blas as blas
-import engine.native as native
+import engine.kernels.blas as blas
+import engine.kernels.native as native
 
 # isort: split
 import mlx.core as mx
@@ -64,7 +64,7 @@ def assert_close(got, a, b, *, trans_b=True):
 
 
 def test_it_is_loaded_in_front_of_the_blas_and_owns_sgemm():
-    assert blas.sgemm_library() is not None, "engine/native/sgemm.c did not build or load"
+    assert blas.sgemm_library() is not None, "engine/kernels/native/sgemm.c did not build or load"
     assert blas.sgemm_provider() == os.path.realpath(blas.sgemm_library())
     assert blas.sgemm_backend() == blas.find_blas()
     assert blas.sgemm_library() == str(native.build_sgemm())
@@ -185,7 +185,7 @@ def test_mlx_matmuls_reach_it():
 
 def test_switched_off_the_library_serves_mlx_alone():
     code = (
-        "import os, engine.blas as b; import mlx.core as mx; "
+        "import os, engine.kernels.blas as b; import mlx.core as mx; "
         "print(b.sgemm_library(), os.path.realpath(b.sgemm_provider() or '') "
         "== os.path.realpath(b.find_blas()))"
     )
@@ -214,7 +214,7 @@ def test_a_build_that_fails_is_reported_and_leaves_nothing(monkeypatch, tmp_path
 
 @pytest.mark.slow
 def test_the_default_model_greedy_tokens_are_the_same_with_and_without_it(smollm2_path):
-    from engine.loader import load_model
+    from engine.models.loader import load_model
     from tests.engine.conftest import greedy, make_request, run_batched
 
     loaded = load_model(smollm2_path, name="smollm2")

@@ -1,7 +1,7 @@
 """A process that served a model exits cleanly: an engine thread's MLX thread-local destructor
 takes the GIL after `join` has returned, and if the interpreter is exiting by then the process
 aborts ("terminate called without an active exception", exit status 134) unless stopping the
-engine waits for its thread to be gone (engine/loop.py)."""
+engine waits for its thread to be gone (engine/core/loop.py)."""
 
 import subprocess
 import sys

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from engine.loader import LoadedModel, load_tokenizer
+from engine.core.simple import SimpleEngine
 from engine.local import LocalEngineClient
+from engine.models.loader import LoadedModel, load_tokenizer
 from engine.protocol import (
     EngineOverloadedError,
     GenerationOutput,
@@ -15,7 +16,6 @@ from engine.protocol import (
     ModelSpec,
     RequestStatus,
 )
-from engine.simple import SimpleEngine
 from engine.worker import EngineWorker
 from tests.engine.conftest import eventually, greedy, make_request
 from tests.fixtures.tiny_models import tokenizer_dir

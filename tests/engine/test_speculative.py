@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (engine/speculative.py): the drafter, the policy, and
+"""Speculative decoding by prompt lookup (engine/core/speculative.py): the drafter, the policy, and
 outputs identical with and without speculation (greedy, seeded sampling, logprobs, stops)."""
 
 import random
@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from engine.batched import BatchedEngine
+from engine.core.batched import BatchedEngine
+from engine.core.speculative import NgramDrafter, Speculator
 from engine.protocol import SamplingParams
-from engine.speculative import NgramDrafter, Speculator
 from tests.engine.conftest import drive, greedy, make_request, manual_engine, run_batched
 from tests.engine.test_identity import assert_same_events
 

@@ -7,9 +7,9 @@ import pytest
 import transformers
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from engine import templates
-from engine.loader import load_tokenizer
+from engine.models.loader import load_tokenizer
 from engine.protocol import InvalidRequestError
+from engine.text import templates
 from tests.fixtures.tiny_models import tokenizer_dir
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]

@@ -46,7 +46,7 @@ def test_register_model_rejects_a_folder_that_is_not_a_model(tmp_path):
 
 @pytest.mark.slow
 def test_import_gguf_converts_and_registers(settings, tmp_path):
-    from engine.gguf import default_gguf_path
+    from engine.models.gguf import default_gguf_path
 
     settings.ORCHARD_MODELS_DIR = tmp_path / "models"
     output = run("import_gguf", str(default_gguf_path()), "smol", "--default")

@@ -11,7 +11,7 @@ import pytest
 from django.conf import settings
 from tokenizers import Tokenizer
 
-from engine.embeddings import default_embedding_folder
+from engine.models.embeddings import default_embedding_folder
 from inference.models import ModelEntry, UsageRecord
 from inference.services.registry import model_register
 from tests.fixtures.bert_reference import ReferenceBert

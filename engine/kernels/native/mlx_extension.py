@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-from engine.native import BUILD_TIMEOUT_S, HERE, cache_dir
+from engine.kernels.native import BUILD_TIMEOUT_S, HERE, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def build_extension() -> Path | None:
 def load_extension() -> ModuleType | None:
     """The extension with its kernel set, or None (not built, or no kernel to call: Orchard's
     sgemm library is not loaded, or this CPU does not run it)."""
-    from engine import blas
+    from engine.kernels import blas
 
     address = blas.attention_kernel()
     if address is None:

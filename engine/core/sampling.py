@@ -173,7 +173,7 @@ def sample_batch(
     `num_ahead` is how many tokens each row has sampled beyond those appended to its state:
     1 when this step is built before the previous step's tokens reached the host. `allowed`
     (B, V) booleans, when given, are the only tokens each row may draw (structured output,
-    engine/grammar.py): the others are masked before sampling and logprobs.
+    engine/text/grammar.py): the others are masked before sampling and logprobs.
 
     Logprobs are the log-softmax of the logits after logit_bias, the EOS mask and penalties,
     before temperature and truncation: the model's own distribution, which is what OpenAI

@@ -16,10 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.caches import CacheLayout
-from engine.prefix_cache import PrefixCache
+from engine.cache.mlx_caches import CacheLayout
+from engine.cache.prefix import PrefixCache
+from engine.core.scheduler import MemoryBudget
 from engine.protocol import ModelSpec
-from engine.scheduler import MemoryBudget
 
 DEVICE_SHARE = 0.6  # of the device's memory, for weights and caches together
 MIN_BUDGET_BYTES = 256 << 20

@@ -13,7 +13,7 @@ import logging
 from jinja2 import TemplateError
 
 from engine.protocol import InvalidRequestError, PromptInput, RenderedPrompt
-from engine.templates import ERROR_TIMEOUT, apply_chat_template, with_deadline
+from engine.text.templates import ERROR_TIMEOUT, apply_chat_template, with_deadline
 
 logger = logging.getLogger(__name__)
 

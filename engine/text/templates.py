@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from engine import harmony
 from engine.protocol import InvalidRequestError
+from engine.text import harmony
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
-from engine.prefix_cache import KVSource, LayerKV, LayerState, PrefixCache, PrefixHit
+from engine.cache.prefix import KVSource, LayerKV, LayerState, PrefixCache, PrefixHit
 
 Cache = list[Any]
 

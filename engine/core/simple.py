@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
+from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
+from engine.core.request import Request
+from engine.core.runner import SequenceRunner
 from engine.protocol import RequestStatus
-from engine.request import Request
-from engine.runner import SequenceRunner
 
 logger = logging.getLogger(__name__)
 

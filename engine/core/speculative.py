@@ -1,12 +1,12 @@
 """Speculative decoding: drafts by prompt lookup from the sequence's own tokens, or from a
-draft model (engine/draft_model.py), checked in one forward of the served model.
+draft model (engine/core/draft_model.py), checked in one forward of the served model.
 
 Agents, code edits and summaries repeat their input; a sequence whose last few tokens occurred
 before is likely to continue as it did then. `NgramDrafter` finds the most recent earlier
 occurrence of the sequence's last `n` tokens (the longest `n` from `max_ngram` down to
 `min_ngram`) and proposes the tokens that followed it. The batch runner feeds each row's last
 token and its draft in one forward and keeps the longest prefix of the draft that the model
-would have produced itself (engine/runner.py), so a step yields 1 to 1 + len(draft) tokens.
+would have produced itself (engine/core/runner.py), so a step yields 1 to 1 + len(draft) tokens.
 
 Exactness. Each position's token is sampled from the target model's distribution exactly as an
 unspeculated step would sample it (same processing, same counter-based uniform: the draft
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from engine.request import Sequence
+from engine.core.request import Sequence
 
 
 class NgramDrafter:
@@ -86,7 +86,7 @@ class Speculator:
 
     num_tokens: int
     max_rows: int = 4
-    draft_model: bool = False  # a draft model proposes (engine/draft_model.py), not lookup
+    draft_model: bool = False  # a draft model proposes (engine/core/draft_model.py), not lookup
     min_ngram: int = 2
     max_ngram: int = 4
     min_acceptance: float = 0.3

@@ -11,9 +11,9 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 # isort: split
 import mlx.core as mx
 
-from engine.grammar import allowed_tokens
-from engine.request import Sequence
-from engine.sampling import SampleResult, sample_batch
+from engine.core.request import Sequence
+from engine.core.sampling import SampleResult, sample_batch
+from engine.text.grammar import allowed_tokens
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Speculative decoding with a draft model: a smaller model of the same tokenizer proposes the
 next tokens of each drafting sequence, and the batch runner checks them in one forward of the
-served model (engine/runner.py), as it checks prompt-lookup drafts.
+served model (engine/core/runner.py), as it checks prompt-lookup drafts.
 
 The draft model proposes greedily: each draft is a point, and a draft token is kept when it
 equals the token the served model samples at its position, with that position's own sampling
-(engine/speculative.py). That is rejection sampling's rule for a proposal that puts all its
+(engine/core/speculative.py). That is rejection sampling's rule for a proposal that puts all its
 mass on one token, so outputs keep the served model's distribution at any temperature, and a
 seeded request gives the same tokens with and without drafts (what a draft distribution's
 min(1, p/q) rule would give up for a higher acceptance).
@@ -27,10 +27,10 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import caches
-from engine.caches import Cache
-from engine.loader import LoadedModel
-from engine.request import Sequence
+from engine.cache import mlx_caches as caches
+from engine.cache.mlx_caches import Cache
+from engine.core.request import Sequence
+from engine.models.loader import LoadedModel
 
 # The draft model reads a sequence it has not seen in pieces of at most this many tokens.
 FEED_CHUNK_TOKENS = 512

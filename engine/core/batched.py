@@ -1,5 +1,5 @@
-"""The continuous-batching engine on the shared loop of engine/loop.py: the scheduler decides
-who runs each step (engine/scheduler.py), the runner computes it (engine/runner.py)."""
+"""The continuous-batching engine on the shared loop of engine/core/loop.py: the scheduler decides
+who runs each step (engine/core/scheduler.py), the runner computes it (engine/core/runner.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from collections import deque
 
 import mlx.core as mx
 
-from engine.draft_model import DraftModel, DraftModelError
-from engine.loader import load_model
-from engine.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
+from engine.core.draft_model import DraftModel, DraftModelError
+from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
+from engine.core.request import Emit
+from engine.core.runner import BatchRunner
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.speculative import Speculator
+from engine.models.loader import load_model
 from engine.protocol import GenerationRequest, ModelInfo, RequestStatus
-from engine.request import Emit
-from engine.runner import BatchRunner
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class BatchedEngine(EngineLoop):
     """Continuous batching: requests join and leave the running batch at any step."""
 
-    # Whether decode steps may run ahead (engine/runner.py); None: where the device overlaps.
+    # Whether decode steps may run ahead (engine/core/runner.py); None: where the device overlaps.
     RUN_AHEAD: bool | None = None
 
     def setup(self) -> None:
@@ -227,7 +227,7 @@ class PrefillPacer:
     model sets it, else what the measured prefill speed computes in TARGET_STEP_S, so a long
     prompt arriving delays each running stream's next token by about that much.
 
-    The speed comes from the runner's timing of each step's prefill alone (engine/runner.py),
+    The speed comes from the runner's timing of each step's prefill alone (engine/core/runner.py),
     not from the step's time: a step beside many decoding rows spends much of it on them, and
     subtracting an estimate of their share failed where it mattered most (a burst admitted
     beside a growing batch: every step mixed, at batch sizes no decode-only step had
@@ -235,7 +235,7 @@ class PrefillPacer:
 
     TARGET_STEP_S = 0.25
     # While a burst of prompts is admitted and nothing decodes yet (fair admission in
-    # engine/scheduler.py): long enough a step that few decode steps interleave, short
+    # engine/core/scheduler.py): long enough a step that few decode steps interleave, short
     # enough that the first prompts start streaming early.
     ADMISSION_STEP_S = 1.0
     MIN_TOKENS = 16

@@ -1,5 +1,5 @@
-"""The one module that calls the model (engine/caches.py is the one that handles mlx-lm's cache
-objects).
+"""The one module that calls the model (engine/cache/mlx_caches.py is the one that handles mlx-lm's
+cache objects).
 
 The runner computes what the scheduler decided and makes no policy. Only the engine thread of
 a model calls into it.
@@ -28,13 +28,13 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.caches import Cache, concatenate, make_cache, merge, remember, start_cache
-from engine.prefix_cache import PrefixCache
+from engine.cache.mlx_caches import Cache, concatenate, make_cache, merge, remember, start_cache
+from engine.cache.prefix import PrefixCache
+from engine.core.request import Request, Sequence
+from engine.core.sampled import Sampled, collect, result_arrays, sample, sample_rows
+from engine.core.sampling import SampleResult
+from engine.core.scheduler import PrefillChunk, SchedulerOutput
 from engine.protocol import RequestStatus
-from engine.request import Request, Sequence
-from engine.sampled import Sampled, collect, result_arrays, sample, sample_rows
-from engine.sampling import SampleResult
-from engine.scheduler import PrefillChunk, SchedulerOutput
 
 # Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
 _KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -372,7 +372,7 @@ class BatchRunner:
     def _decode_drafts(self, drafts: dict[int, tuple[int, ...]]) -> _Verify:
         """One forward of every row's last token and its draft (rows with a shorter draft
         padded with repeats of their last token), each position sampled as an unspeculated
-        step would sample it (engine/speculative.py)."""
+        step would sample it (engine/core/speculative.py)."""
         seqs = list(self._rows)
         width = 1 + max(len(draft) for draft in drafts.values())
         rows = []

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.detokenizer import unicode_to_byte
+from engine.text.detokenizer import unicode_to_byte
 
 # o200k's base vocabulary; ids from here on are harmony's special tokens.
 NUM_BASE_TOKENS = 199_998

@@ -1,6 +1,6 @@
 """Continuous-batching policy: who runs this step, and how many tokens each computes.
 
-Policy over `engine.request` state: no model, so it is tested without one. Each step every
+Policy over `engine.core.request` state: no model, so it is tested without one. Each step every
 running sequence that has caught up decodes one token; the rest of the per-step token budget
 goes to prefill chunks, first to requests already prefilling, then to newly admitted ones in
 arrival order while sequence slots and memory remain.
@@ -15,7 +15,7 @@ arrival order while sequence slots and memory remain.
   after about half the prompts, not after all of them, as it would if the whole burst were
   prefilled as one batch; and the chunks stay large, so few decode steps interleave. A lone
   prompt gets the whole budget, or `prefill_chunk_tokens` a step beside running streams.
-- Speculative decoding (engine/speculative.py): decode rows may carry a draft, checked in the
+- Speculative decoding (engine/core/speculative.py): decode rows may carry a draft, checked in the
   same forward; the drafts count against the token budget.
 - A chunk ends at the request's next checkpoint (a boundary its recurrent state is worth
   keeping at, on a hybrid model), so the runner can snapshot it there.
@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import PrefixCache
+from engine.cache.prefix import PrefixCache
+from engine.core.request import Request, Sequence
+from engine.core.speculative import Speculator
 from engine.protocol import RequestStatus
-from engine.request import Request, Sequence
-from engine.speculative import Speculator
 
 # A batch cache grows in steps of this many tokens (mlx-lm's BatchKVCache.step).
 CACHE_STEP_TOKENS = 256
@@ -182,7 +182,7 @@ class Scheduler:
                 break
             if burst and output.prefill and request.num_prompt_tokens > budget:
                 # Whole prompts while a burst is admitted: those that complete in one step
-                # are prefilled as one batch (engine/runner.py), a split one alone twice.
+                # are prefilled as one batch (engine/core/runner.py), a split one alone twice.
                 break
             self.waiting.popleft()
             self.running.append(request)

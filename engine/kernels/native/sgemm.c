@@ -320,7 +320,7 @@ static void after_fork_in_child(void) {
 
 /* Run fn(ctx, begin, end) over [0, total) in pieces of `chunk` on the pool's threads and the
  * calling one, returning when all are done; on the calling thread alone when the pool is busy
- * with another caller's job or has no other thread. Exported: attention (engine/native/
+ * with another caller's job or has no other thread. Exported: attention (engine/kernels/native/
  * attention.c and the MLX primitive that calls it) shares the pool with the products. */
 __attribute__((visibility("default"))) void orchard_parallel_for(int total, int chunk, range_fn fn,
                                                                  void *ctx) {

@@ -7,7 +7,7 @@ built later on the engine thread), turning sampled tokens into `GenerationOutput
 stats. A failure while serving a request ends that request (or, if a step itself fails, the
 running batch) with finish_reason "error" and the loop goes on; if the loop itself dies, the
 engine stops serving and everything it held ends with "error". The engines are in
-engine/batched.py (continuous batching) and engine/simple.py (serialized).
+engine/core/batched.py (continuous batching) and engine/core/simple.py (serialized).
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 # isort: split
 import mlx.core as mx
 
-from engine import caches
-from engine.caches import CacheLayout
-from engine.detokenizer import StreamDetokenizer, token_text
-from engine.grammar import Grammars
-from engine.loader import LoadedModel
-from engine.memory import plan_memory
-from engine.prefix_cache import PrefixCache
+from engine.cache import mlx_caches as caches
+from engine.cache.memory import plan_memory
+from engine.cache.mlx_caches import CacheLayout
+from engine.cache.prefix import PrefixCache
+from engine.core.request import Emit, Request, Sequence
+from engine.core.sampled import Sampled
+from engine.core.sampling import SamplingState
+from engine.core.scheduler import MemoryBudget, SchedulerOutput
+from engine.models.loader import LoadedModel
 from engine.protocol import (
     EngineOverloadedError,
     EngineStats,
@@ -47,10 +49,8 @@ from engine.protocol import (
     TopLogprob,
     validate_generation,
 )
-from engine.request import Emit, Request, Sequence
-from engine.sampled import Sampled
-from engine.sampling import SamplingState
-from engine.scheduler import MemoryBudget, SchedulerOutput
+from engine.text.detokenizer import StreamDetokenizer, token_text
+from engine.text.grammar import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class EngineLoop:
         return 0
 
     def draft_counts(self) -> tuple[int, int]:
-        """Speculative decoding's draft tokens checked and accepted (engine/speculative.py)."""
+        """Speculative decoding's draft tokens checked and accepted (engine/core/speculative.py)."""
         return 0, 0
 
     def clear_prefix_cache(self) -> concurrent.futures.Future[int]:

@@ -1,5 +1,5 @@
 """Orchard's native code: `sgemm.c`, a `cblas_sgemm` with fast paths for a decode step's
-products in front of the BLAS library (engine/blas.py loads it; bench/RESULTS.md, "Small-M
+products in front of the BLAS library (engine/kernels/blas.py loads it; bench/RESULTS.md, "Small-M
 sgemm", has the measurements).
 
 It is compiled on first use on each machine (a C compiler is already needed: MLX compiles its

@@ -25,9 +25,9 @@ class Sequence:
 
     request: Request
     index: int
-    sampling_state: Any  # engine.sampling.SamplingState
-    detokenizer: Any  # engine.detokenizer.StreamDetokenizer
-    constraint: Any = None  # engine.grammar.Constraint under structured output
+    sampling_state: Any  # engine.core.sampling.SamplingState
+    detokenizer: Any  # engine.text.detokenizer.StreamDetokenizer
+    constraint: Any = None  # engine.text.grammar.Constraint under structured output
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -66,7 +66,7 @@ class Request:
     arrived_at: float = field(default_factory=time.monotonic)
     # Prompt positions whose recurrent state is worth keeping (hybrid models; else empty).
     checkpoints: tuple[int, ...] = ()
-    # Set at admission from the prefix cache (engine.prefix_cache.PrefixHit); the runner seeds
+    # Set at admission from the prefix cache (engine.cache.prefix.PrefixHit); the runner seeds
     # the request's cache from it and drops it.
     prefix_hit: Any = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache provided

@@ -13,8 +13,8 @@ fast at prefill. One symbol means one library per process: a mix (BLIS for decod
 OpenBLAS for many) is not possible by preloading; it would take a dispatching `cblas_sgemm` of
 our own in front of both.
 
-In front of that library sits Orchard's own `cblas_sgemm` (engine/native/sgemm.c, compiled on
-first use): it computes the products of a decode step itself (a few rows of activations times
+In front of that library sits Orchard's own `cblas_sgemm` (engine/kernels/native/sgemm.c, compiled
+on first use): it computes the products of a decode step itself (a few rows of activations times
 a weight matrix, read once instead of packed on every call; attention's many tiny products)
 and hands every other product (prefill, large batches) to the library. `ORCHARD_FAST_SGEMM=0`
 loads the library alone; `ORCHARD_SGEMM_THREADS` sets its threads (default: the CPUs this
@@ -145,7 +145,7 @@ def _env_int(name: str, default: int) -> int:
 def _load_sgemm(blas_path: str) -> ctypes.CDLL | None:
     """Orchard's cblas_sgemm, set to hand other products to `blas_path` and loaded ahead of
     it in the global scope; None (the library alone) where it cannot be built or set up."""
-    from engine.native import build_sgemm
+    from engine.kernels.native import build_sgemm
 
     built = build_sgemm()
     if built is None:
@@ -223,8 +223,9 @@ def sgemm_provider() -> str | None:
 
 
 def attention_kernel() -> int | None:
-    """The address of Orchard's fused decode attention (engine/native/attention.c, in the same
-    library as its cblas_sgemm) where that library is loaded and this CPU runs it, else None."""
+    """The address of Orchard's fused decode attention (engine/kernels/native/attention.c, in the
+    same library as its cblas_sgemm) where that library is loaded and this CPU runs it, else
+    None."""
     if _sgemm is None or not _sgemm.orchard_attention_supported():
         return None
     return ctypes.cast(_sgemm.orchard_attention, ctypes.c_void_p).value

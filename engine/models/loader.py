@@ -22,10 +22,10 @@ from mlx_lm.utils import load_model as mlx_load_model
 from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine import kernels
-from engine.harmony import is_harmony_tokenizer
-from engine.model_config import context_length as config_context_length
+from engine.kernels import fast as kernels
+from engine.models.config import context_length as config_context_length
 from engine.protocol import ModelInfo
+from engine.text.harmony import is_harmony_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _vocab_size(model: nn.Module, config: Mapping[str, Any]) -> int:
 
 
 # What ModelInfo.chat_template says of a gpt-oss tokenizer without a template (rendered by
-# openai-harmony, engine/harmony.py): harmony's own markers, so the parsers are detected.
+# openai-harmony, engine/text/harmony.py): harmony's own markers, so the parsers are detected.
 HARMONY_TEMPLATE = "{# rendered by openai-harmony: <|start|>role<|channel|>…<|message|>… #}"
 
 

@@ -2,8 +2,8 @@
 // library): one node of the graph where MLX's CPU backend has ~21 a layer (two matmuls looping
 // over sequences and heads, the softmax's ops, the views between them: bench/attention.py), run on the CPU stream like any other op.
 //
-// Built on first use by engine/native/mlx_extension.py (nanobind, in MLX's domain, so its
-// arrays are MLX's own); the kernel's address comes from Python (engine/blas.py loaded the
+// Built on first use by engine/kernels/native/mlx_extension.py (nanobind, in MLX's domain, so its
+// arrays are MLX's own); the kernel's address comes from Python (engine/kernels/blas.py loaded the
 // library), so this module links nothing of Orchard's and imports without it.
 #include <cmath>
 #include <memory>
@@ -142,7 +142,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 }  // namespace
 
 NB_MODULE(_orchard_attention, m) {
-  m.doc() = "Orchard's fused decode attention as an MLX primitive (engine/native/attention.c)";
+  m.doc() = "Orchard's fused decode attention as an MLX primitive (engine/kernels/native/attention.c)";
   m.def("set_kernel", [](uintptr_t address) { kernel = reinterpret_cast<Kernel>(address); },
         nb::arg("address"), "The address of orchard_attention in the loaded sgemm library.");
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
