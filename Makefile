@@ -63,12 +63,14 @@ else
 	$(PY) -m pytest $(PYTEST_ARGS)
 endif
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 ifneq ($(TEST_POSTGRES_URL),)
 	DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest $(PYTEST_ARGS) $(GATEWAY_TESTS) $(WORKER_TESTS)
 endif
 
 lint: setup
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 
 bench-engine: setup
 	$(PY) bench/engine.py

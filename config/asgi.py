@@ -1,6 +1,6 @@
 """ASGI entry point: HTTP goes to Django's own ASGI handler (it notices client disconnects while
 streaming and cancels the view, which aborts the generation), with each request's sync thread
-taken from a pool (config/request_threads.py); websockets (the live engine status) go to
+taken from a pool (common/request_threads.py); websockets (the live engine status) go to
 Channels with the session's user."""
 
 import os
@@ -16,7 +16,7 @@ django.setup(set_prefix=False)
 
 from django.urls import path  # noqa: E402
 
-from config.request_threads import PooledASGIHandler  # noqa: E402
+from common.request_threads import PooledASGIHandler  # noqa: E402
 from inference.web.consumers import StatusConsumer  # noqa: E402
 
 django_asgi_app = PooledASGIHandler()
@@ -35,6 +35,6 @@ application = ProtocolTypeRouter(
 from django.conf import settings  # noqa: E402
 
 if settings.ORCHARD_PRELOAD_MODELS:
-    from inference.engine_access import preload_models
+    from inference.services.engines import preload_models
 
     preload_models()

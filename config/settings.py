@@ -92,7 +92,7 @@ SQLITE_OPTIONS = {
 DATABASE_URL = env_str("DATABASE_URL")
 if DATABASE_URL:
     # CONN_MAX_AGE=0 for servers: connections are per thread; requests' threads are pooled
-    # (config/request_threads.py), but a server's connections are a shared resource, so they
+    # (common/request_threads.py), but a server's connections are a shared resource, so they
     # are opened per request. SQLite's are kept (below).
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
 else:

@@ -1,9 +1,107 @@
-"""Orchard's MLX engine. Core modules import no Django (see ARCHITECTURE.md).
+"""Orchard's MLX engine, and its one public face: the web side imports the engine only from here.
 
-Importing this package loads a fast BLAS first on Linux (engine/kernels/blas.py), so that MLX's CPU
-backend uses it.
+The rooms behind it (docs/architecture.md walks through them):
+- protocol/: the plain data that crosses to the web side (requests, outputs, model facts, errors);
+- client.py: `EngineClient`, the interface the web side calls; local.py runs it in this process,
+  worker.py owns the loaded models (also what a `runengine` process serves);
+- core/: request state, the scheduler, the loop, the engines and the runners (the model calls);
+- cache/: mlx-lm's cache objects, the prefix cache, the memory budget;
+- models/: loading, model folders' facts, GGUF conversion, embedding models;
+- text/: chat templates, rendering, detokenizing, harmony, grammars;
+- kernels/: fast CPU kernels, the BLAS and Orchard's native code.
+
+No module of the engine imports Django or the apps (`make test` checks this and the rest of the
+layering with import-linter). Importing this package loads a fast BLAS first on Linux
+(kernels/blas.py), so that MLX's CPU backend uses it; the protocol and the client interface
+load at once, everything that needs MLX or a tokenizer library on first use of its name.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from engine.kernels.blas import preload_blas
 
 preload_blas()
+
+# isort: split
+from engine.client import EngineClient  # noqa: E402
+from engine.protocol import (  # noqa: E402
+    EmbeddingInfo,
+    EmbeddingLoadError,
+    EngineError,
+    EngineOverloadedError,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    InvalidRequestError,
+    ModelInfo,
+    ModelLoadError,
+    ModelNotLoadedError,
+    ModelSpec,
+    ModelStatus,
+    ModelUnavailableError,
+    PromptInput,
+    RenderedPrompt,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    validate_generation,
+)
+
+# Names loaded on first use (they import MLX, mlx-lm or a tokenizer library): name -> module.
+_LAZY = {
+    "LocalEngineClient": "engine.local",
+    "EngineWorker": "engine.worker",
+    "Embedders": "engine.models.embeddings",
+    "DEFAULT_EMBEDDING_MODEL": "engine.models.embeddings",
+    "default_embedding_folder": "engine.models.embeddings",
+    "convert_gguf": "engine.models.gguf",
+    "default_gguf_path": "engine.models.gguf",
+    "load_tokenizer": "engine.models.loader",
+    "folder_context_length": "engine.models.config",
+    "PromptRenderer": "engine.text.rendering",
+    "check_template_kwargs": "engine.text.templates",
+    "harmony_encoding": "engine.text.harmony",
+}
+
+__all__ = [
+    "EmbeddingInfo",
+    "EmbeddingLoadError",
+    "EngineClient",
+    "EngineError",
+    "EngineOverloadedError",
+    "EngineStats",
+    "GenerationOutput",
+    "GenerationRequest",
+    "InvalidRequestError",
+    "ModelInfo",
+    "ModelLoadError",
+    "ModelNotLoadedError",
+    "ModelSpec",
+    "ModelStatus",
+    "ModelUnavailableError",
+    "PromptInput",
+    "RenderedPrompt",
+    "RequestStatus",
+    "SamplingParams",
+    "TokenLogprob",
+    "TopLogprob",
+    "validate_generation",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

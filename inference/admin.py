@@ -20,8 +20,7 @@ from django.utils.html import format_html
 
 from accounts import keys
 from accounts.admin import KeySearchMixin, VisibleTeamFilter
-from engine.models.config import folder_context_length
-from inference.engine_access import get_engine_client, registry_changed
+from engine import folder_context_length
 from inference.models import (
     ERROR_DEFAULT_MUST_BE_ENABLED,
     DailyUsage,
@@ -29,6 +28,7 @@ from inference.models import (
     StoredResponse,
     UsageRecord,
 )
+from inference.services.engines import get_engine_client, registry_changed
 from inference.services.registry import model_set_default, model_spec
 from inference.services.responses import responses_visible_to
 from inference.services.usage import daily_usage_visible_to, usage_records_visible_to, usage_totals

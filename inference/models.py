@@ -3,7 +3,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator
 from django.db import models
 
-from engine.protocol import InvalidRequestError, SamplingParams
+from engine import InvalidRequestError, SamplingParams
 from inference.parsers.registry import reasoning_parser_choices, tool_parser_choices
 
 ERROR_DEFAULT_MUST_BE_ENABLED = (

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from accounts.models import ApiKey
 from accounts.selectors import api_key_month_tokens, month_start
-from config.request_threads import detach
+from common.request_threads import detach
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from engine.cache.budget import MemoryBudget
 from engine.cache.mlx_caches import CacheLayout
 from engine.cache.prefix import PrefixCache
-from engine.core.scheduler import MemoryBudget
 from engine.protocol import ModelSpec
 
 DEVICE_SHARE = 0.6  # of the device's memory, for weights and caches together

@@ -28,13 +28,14 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 
 from engine.cache import mlx_caches as caches
+from engine.cache.budget import MemoryBudget
 from engine.cache.memory import plan_memory
 from engine.cache.mlx_caches import CacheLayout
 from engine.cache.prefix import PrefixCache
 from engine.core.request import Emit, Request, Sequence
 from engine.core.sampled import Sampled
 from engine.core.sampling import SamplingState
-from engine.core.scheduler import MemoryBudget, SchedulerOutput
+from engine.core.scheduler import SchedulerOutput
 from engine.models.loader import LoadedModel
 from engine.protocol import (
     EngineOverloadedError,

@@ -32,31 +32,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.cache.budget import MemoryBudget
 from engine.cache.prefix import PrefixCache
 from engine.core.request import Request, Sequence
 from engine.core.speculative import Speculator
 from engine.protocol import RequestStatus
-
-# A batch cache grows in steps of this many tokens (mlx-lm's BatchKVCache.step).
-CACHE_STEP_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """What the running sequences and the prefix cache may hold together, in bytes."""
-
-    max_bytes: int
-    bytes_per_token: int
-    bytes_per_sequence: int = 0
-
-    def need(self, num_rows: int, longest: int) -> int:
-        length = -(-longest // CACHE_STEP_TOKENS) * CACHE_STEP_TOKENS
-        return num_rows * (length * self.bytes_per_token + self.bytes_per_sequence)
-
-    def max_tokens(self) -> int:
-        """The most tokens one sequence can ever hold."""
-        room = self.max_bytes - self.bytes_per_sequence
-        return max(0, room // max(1, self.bytes_per_token) - CACHE_STEP_TOKENS)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
 
+from engine.kernels import blas
 from engine.kernels.fastexp import (
     FLOAT_TYPES,
     HIGH,
@@ -158,7 +159,7 @@ def fused_kernel() -> Any:
     """The fused kernel's module, built and loaded on first call (engine/kernels' `install`
     calls this when a model loads: the first build on a machine takes 20-30 s), once checked
     against MLX's attention here; None where it is not available or disagrees."""
-    module = mlx_extension.load_extension()
+    module = mlx_extension.load_extension(blas.attention_kernel())
     if module is None:
         return None
     rng = np.random.default_rng(0)

@@ -21,7 +21,6 @@ import math
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
@@ -32,27 +31,13 @@ import mlx.nn as nn
 import numpy as np
 from tokenizers import Tokenizer
 
-from engine.protocol import ModelNotLoadedError
+from engine.protocol import EmbeddingInfo, EmbeddingLoadError, ModelNotLoadedError
 
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_SEQUENCES = 64
 MAX_BATCH_TOKENS = 8192  # padded tokens in one forward
 NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
-
-
-class EmbeddingLoadError(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class EmbeddingInfo:
-    name: str
-    dimensions: int
-    context_length: int  # tokens per input, special tokens included
-    vocab_size: int
-    normalize: bool
-    pooling: str  # "mean" | "cls" | "max"
 
 
 class _Layer(nn.Module):

@@ -10,7 +10,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from engine.protocol import PromptInput
+from engine import PromptInput
 from inference.api import openai_format as fmt
 from inference.api.common import (
     authenticate,

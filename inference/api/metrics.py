@@ -15,7 +15,7 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from accounts.authentication import AuthenticationError, authenticate_header
-from inference.engine_access import get_engine_client
+from inference.services.engines import get_engine_client
 from inference.services.metrics import exposition
 
 

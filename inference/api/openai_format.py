@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.protocol import TokenLogprob
+from engine import TokenLogprob
 from inference.api.common import sse
 from inference.errors import APIError
 from inference.parsers.base import ToolCallDelta

@@ -8,8 +8,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from engine.protocol import InvalidRequestError
-from engine.text.templates import check_template_kwargs
+from engine import InvalidRequestError, check_template_kwargs
 from inference.api import jsonbody
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

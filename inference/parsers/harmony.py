@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from engine.text.harmony import harmony_encoding
+from engine import harmony_encoding
 from inference.parsers.base import ParsedDelta, ToolCallDelta, ToolParser
 
 logger = logging.getLogger(__name__)

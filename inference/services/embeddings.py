@@ -19,12 +19,12 @@ from django.utils import timezone
 
 from accounts import limits
 from accounts.models import ApiKey
-from config.request_threads import detach
-from engine.models.embeddings import EmbeddingInfo, EmbeddingLoadError
-from inference.engine_access import get_engine_client
+from common.request_threads import detach
+from engine import EmbeddingInfo, EmbeddingLoadError
 from inference.errors import APIError, model_not_found
 from inference.models import ModelEntry, UsageRecord
 from inference.services import metrics
+from inference.services.engines import get_engine_client
 from inference.services.refusals import admission_refused
 from inference.services.registry import model_for_key
 from inference.services.usage import usage_record_finished

@@ -26,8 +26,8 @@ from django.utils import timezone
 
 from accounts import limits
 from accounts.models import ApiKey
-from config.request_threads import detach
-from engine.protocol import (
+from common.request_threads import detach
+from engine import (
     EngineError,
     EngineOverloadedError,
     GenerationOutput,
@@ -36,10 +36,10 @@ from engine.protocol import (
     ModelNotLoadedError,
     ModelUnavailableError,
 )
-from inference.engine_access import get_engine_client
 from inference.errors import APIError
 from inference.models import UsageRecord
 from inference.services import metrics
+from inference.services.engines import after_engines_stop, get_engine_client
 from inference.services.output import FAILURE_CODES
 from inference.services.refusals import admission_refused
 from inference.services.usage import usage_finish, usage_open
@@ -82,6 +82,15 @@ def finish_open_executions() -> int:
         except Exception:
             logger.exception("usage row of %s left open at exit", execution.request_id)
     return finished
+
+
+def _finish_open_rows() -> None:
+    count = finish_open_executions()
+    if count:
+        logger.info("finished %d usage row(s) of requests cut off by the shutdown", count)
+
+
+after_engines_stop(_finish_open_rows)
 
 
 async def _outlast_cancellation(future: asyncio.Future):

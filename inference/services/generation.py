@@ -35,7 +35,7 @@ from django.conf import settings
 
 from accounts import limits
 from accounts.models import ApiKey
-from engine.protocol import (
+from engine import (
     GenerationRequest,
     InvalidRequestError,
     ModelInfo,
@@ -47,10 +47,10 @@ from engine.protocol import (
     SamplingParams,
     validate_generation,
 )
-from inference.engine_access import get_engine_client
 from inference.errors import APIError, model_not_found
 from inference.models import SAMPLING_DEFAULT_FIELDS, ModelEntry
 from inference.parsers.registry import OutputParsing, detect_reasoning_parser, detect_tool_parser
+from inference.services.engines import get_engine_client
 from inference.services.execution import ERROR_RELOADING, Execution
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
 from inference.services.refusals import admission_refused

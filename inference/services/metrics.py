@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.protocol import EngineStats
+from engine import EngineStats
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 REQUESTS = Counter(

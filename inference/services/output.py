@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.protocol import GenerationOutput, TokenLogprob
+from engine import GenerationOutput, TokenLogprob
 from inference.parsers.base import ParsedDelta, ToolCallDelta
 from inference.parsers.registry import OutputParsing
 

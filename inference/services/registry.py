@@ -6,7 +6,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from accounts.models import ApiKey
-from engine.protocol import ModelSpec
+from engine import ModelSpec
 from inference.models import ModelEntry
 from inference.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 

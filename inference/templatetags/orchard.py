@@ -33,7 +33,7 @@ def orchard_engine_workers() -> dict[str, Any]:
     if settings.ORCHARD_ENGINE == "local":
         return {"mode": "local", "workers": [], "error": None}
     try:
-        from inference.engine_access import get_engine_client
+        from inference.services.engines import get_engine_client
 
         beats = get_engine_client().workers()
         now = time.time()

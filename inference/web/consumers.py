@@ -13,7 +13,7 @@ from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from accounts.models import ApiKey
-from inference.engine_access import get_engine_client
+from inference.services.engines import get_engine_client
 from inference.services.registry import models_for_key
 
 INTERVAL_S = 1.0

@@ -28,10 +28,10 @@ from django.views.decorators.http import require_http_methods
 from accounts.models import ApiKey, Membership, Team
 from accounts.selectors import teams_owned_by
 from accounts.services import api_key_create, api_key_revoke
-from engine.models.config import folder_context_length
-from inference.engine_access import get_engine_client
+from engine import folder_context_length
 from inference.models import ModelEntry
 from inference.services import reports
+from inference.services.engines import get_engine_client
 from inference.services.registry import models_for_key
 
 LOGIN_ATTEMPTS = 5  # failed sign-ins per username and address ...

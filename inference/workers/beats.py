@@ -18,7 +18,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from engine.protocol import EngineStats, ModelInfo, ModelSpec, ModelStatus
+from engine import EngineStats, ModelInfo, ModelSpec, ModelStatus
 
 
 @dataclass

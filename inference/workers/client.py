@@ -36,9 +36,9 @@ from typing import Any
 
 from asgiref.sync import async_to_sync
 
-from engine.client import EngineClient
-from engine.models.embeddings import Embedders
-from engine.protocol import (
+from engine import (
+    Embedders,
+    EngineClient,
     EngineStats,
     GenerationOutput,
     GenerationRequest,
@@ -49,9 +49,9 @@ from engine.protocol import (
     ModelStatus,
     ModelUnavailableError,
     PromptInput,
+    PromptRenderer,
     RenderedPrompt,
 )
-from engine.text.rendering import PromptRenderer
 from inference.workers.beats import BeatStore, WorkerBeat, model_status, sum_stats
 from inference.workers.ordering import EventOrder, PrefixAffinity
 from inference.workers.wire import (
@@ -691,7 +691,7 @@ class RemoteEngineClient(EngineClient):
 
 
 def _load_tokenizer(folder: Path, info: ModelInfo):
-    from engine.models.loader import load_tokenizer
+    from engine import load_tokenizer
 
     try:
         return load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids))[0]

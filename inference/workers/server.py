@@ -26,17 +26,17 @@ from typing import Any
 
 from channels.exceptions import ChannelFull
 
-from engine.protocol import (
+from engine import (
     EngineError,
     EngineOverloadedError,
+    EngineWorker,
     GenerationOutput,
     GenerationRequest,
     ModelNotLoadedError,
     ModelSpec,
     PromptInput,
+    PromptRenderer,
 )
-from engine.text.rendering import PromptRenderer
-from engine.worker import EngineWorker
 from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
 from inference.workers.wire import (
     encode_error,

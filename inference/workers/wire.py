@@ -14,7 +14,7 @@ import dataclasses
 import re
 from typing import Any
 
-from engine.protocol import (
+from engine import (
     EngineError,
     EngineOverloadedError,
     GenerationOutput,

@@ -137,7 +137,7 @@ def test_decodes_only_after_a_plan_when_nothing_waits_prefills_or_ends():
 
 
 def test_admission_waits_while_the_batch_would_not_fit_in_memory():
-    from engine.core.scheduler import CACHE_STEP_TOKENS, MemoryBudget
+    from engine.cache.budget import CACHE_STEP_TOKENS, MemoryBudget
 
     # Rows are as long as the longest one: two rows of 300 tokens (rounded up to two cache
     # steps) fit in 4 steps' worth; a third does not.
@@ -158,8 +158,8 @@ def test_admission_waits_while_the_batch_would_not_fit_in_memory():
 def test_the_prefix_cache_makes_room_before_anyone_waits():
     import mlx.core as mx
 
+    from engine.cache.budget import CACHE_STEP_TOKENS, MemoryBudget
     from engine.cache.prefix import PrefixCache
-    from engine.core.scheduler import CACHE_STEP_TOKENS, MemoryBudget
 
     cache = PrefixCache(max_bytes=10**9)
     for start in (5000, 6000):

@@ -9,7 +9,7 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from inference import engine_access
+from inference.services import engines
 from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
 from tests.factories import StaffUserFactory
 from tests.fixtures.daphne import free_port
@@ -96,7 +96,7 @@ def test_local_mode_says_the_engines_run_in_the_web_processes(settings):
 
 def test_the_panel_adds_no_inline_script(settings, monkeypatch):
     settings.ORCHARD_ENGINE = "remote"
-    monkeypatch.setattr(engine_access, "_client", FakeWorkers(two_workers()))
+    monkeypatch.setattr(engines, "_client", FakeWorkers(two_workers()))
     status, page = admin_index()
     assert status == 200 and not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", page)
 
@@ -104,7 +104,7 @@ def test_the_panel_adds_no_inline_script(settings, monkeypatch):
 def test_remote_mode_shows_each_worker_and_escapes_what_workers_send(settings, monkeypatch):
     settings.ORCHARD_ENGINE = "remote"
     made_at = time.time()
-    monkeypatch.setattr(engine_access, "_client", FakeWorkers(two_workers()))
+    monkeypatch.setattr(engines, "_client", FakeWorkers(two_workers()))
     status, page = admin_index()
     rendered_in = time.time() - made_at
     assert status == 200
@@ -133,7 +133,7 @@ def test_remote_mode_shows_each_worker_and_escapes_what_workers_send(settings, m
 
 def test_remote_mode_without_workers_says_none_is_beating(settings, monkeypatch):
     settings.ORCHARD_ENGINE = "remote"
-    monkeypatch.setattr(engine_access, "_client", FakeWorkers([]))
+    monkeypatch.setattr(engines, "_client", FakeWorkers([]))
     status, page = admin_index()
     assert status == 200 and "No engine worker is beating." in panel(page)
 
@@ -141,7 +141,7 @@ def test_remote_mode_without_workers_says_none_is_beating(settings, monkeypatch)
 def test_workers_that_cannot_be_read_show_a_message_not_an_error_page(settings, monkeypatch):
     settings.ORCHARD_ENGINE = "remote"
     error = ConnectionError(f"Redis is down {HOSTILE}")
-    monkeypatch.setattr(engine_access, "_client", FakeWorkers(error=error))
+    monkeypatch.setattr(engines, "_client", FakeWorkers(error=error))
     status, page = admin_index()
     assert status == 200
     text = panel(page)
@@ -156,7 +156,7 @@ def test_an_engine_client_that_cannot_be_made_shows_the_message(settings, monkey
     def broken():
         raise RuntimeError("no channel layer")
 
-    monkeypatch.setattr(engine_access, "get_engine_client", broken)
+    monkeypatch.setattr(engines, "get_engine_client", broken)
     status, page = admin_index()
     assert status == 200
     assert "Engine workers unavailable: RuntimeError: no channel layer" in panel(page)
@@ -168,7 +168,7 @@ def test_a_real_remote_client_with_redis_down_shows_the_message(settings, monkey
     settings.ORCHARD_ENGINE = "remote"
     store = BeatStore(f"redis://127.0.0.1:{free_port()}/0", "orchard-test-admin")
     remote = RemoteEngineClient(store=store, namespace="orchard-test-admin")
-    monkeypatch.setattr(engine_access, "_client", remote)
+    monkeypatch.setattr(engines, "_client", remote)
     try:
         status, page = admin_index()
     finally:

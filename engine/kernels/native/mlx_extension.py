@@ -115,12 +115,10 @@ def build_extension() -> Path | None:
 
 
 @functools.cache
-def load_extension() -> ModuleType | None:
-    """The extension with its kernel set, or None (not built, or no kernel to call: Orchard's
-    sgemm library is not loaded, or this CPU does not run it)."""
-    from engine.kernels import blas
-
-    address = blas.attention_kernel()
+def load_extension(address: int | None) -> ModuleType | None:
+    """The extension set to call the kernel at `address` (engine/kernels/blas.py's
+    `attention_kernel`), or None (not built, or no kernel to call: Orchard's sgemm library is
+    not loaded, or this CPU does not run it)."""
     if address is None:
         return None
     path = build_extension()

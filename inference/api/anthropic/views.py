@@ -15,7 +15,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 from rest_framework import serializers
 
-from engine.protocol import PromptInput
+from engine import PromptInput
 from inference.api import common
 from inference.api.anthropic import convert
 from inference.api.anthropic.events import MessageBuilder, stop_reason

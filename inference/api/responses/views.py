@@ -23,7 +23,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from accounts.models import ApiKey
-from engine.protocol import PromptInput
+from engine import PromptInput
 from inference.api.chat import requires_tool_call, structured_output, tools_for_template
 from inference.api.common import authenticate, json_response, parse_json_body, typed_sse, validate
 from inference.api.common import streaming_response as sse_response

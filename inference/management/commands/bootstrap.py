@@ -11,8 +11,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from accounts.services import api_key_create, team_membership_ensure
-from engine.models.embeddings import DEFAULT_EMBEDDING_MODEL, default_embedding_folder
-from engine.models.gguf import default_gguf_path
+from engine import DEFAULT_EMBEDDING_MODEL, default_embedding_folder, default_gguf_path
 from inference.models import ModelEntry
 from inference.services.registry import model_register
 from inference.services.usage import usage_close_stale

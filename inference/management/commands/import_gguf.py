@@ -4,7 +4,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from engine.models.gguf import convert_gguf
+from engine import convert_gguf
 from inference.services.registry import model_register
 
 DTYPES = ("float32", "bfloat16", "quantized")

@@ -10,8 +10,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
-from engine.worker import EngineWorker
-from inference.engine_access import enabled_chat_specs
+from engine import EngineWorker
+from inference.services.engines import enabled_chat_specs
 from inference.workers.beats import BeatStore
 from inference.workers.server import EngineServer
 

@@ -1,9 +1,5 @@
-"""The plain data that crosses between the web side and the engine.
-
-No Django, no MLX: these dataclasses travel in-process today and over the Channels layer to
-`runengine` workers later, so they stay small, immutable where possible, and serialisable
-(`to_dict` / `from_dict`).
-"""
+"""One generation: what a caller asks for (a prompt, rendered to token ids, and its sampling),
+the one check of it against the model, and the stream of outputs that answers it."""
 
 from __future__ import annotations
 
@@ -12,6 +8,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.protocol.errors import InvalidRequestError
 
 # Bounds on what one request may ask for. Token ids index the batch's flattened logits, so one
 # outside the vocabulary would write into another request's row (or past the array); the counts
@@ -23,48 +21,6 @@ MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_STOP_LENGTH = 1000
 MAX_GRAMMAR_CHARS = 1_000_000
-
-
-class EngineError(Exception):
-    """Base class for errors the engine reports to its callers."""
-
-    code = "engine_error"
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """User input the engine cannot accept; `param` names the offending request field and
-    `code` is set only where OpenAI has a specific one (e.g. context_length_exceeded)."""
-
-    code = None
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        if code:
-            self.code = code
-
-
-class EngineOverloadedError(EngineError):
-    """The model's waiting queue is full; the API answers 503."""
-
-    code = "engine_overloaded"
-
-
-class ModelNotLoadedError(EngineError):
-    code = "model_not_loaded"
-
-
-class ModelUnavailableError(EngineError):
-    """No engine serves the model now (no engine worker has it); the API answers 503 with
-    this message, which names no path or host."""
-
-    code = "model_unavailable"
-
-
-class ModelLoadError(EngineError):
-    """The model could not be loaded (the message says why); the API answers 503."""
-
-    code = "model_load_failed"
 
 
 class RequestStatus(enum.IntEnum):
@@ -92,87 +48,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the engine needs to load and serve one model (built from a registry entry)."""
-
-    name: str
-    path: str
-    engine: str = "batched"  # "batched" | "simple"
-    context_length: int | None = None  # None: read from the model's config
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_waiting: int = 256
-    # Prefill tokens per step while other sequences decode (None: sized by the engine from
-    # its measured prefill speed, so running streams keep flowing).
-    prefill_chunk_tokens: int | None = None
-    # Bytes for the running sequences' caches and the prefix cache together (None: a share of
-    # the machine's memory), and the prefix cache's own cap within that (None: a quarter;
-    # 0: no prefix cache).
-    memory_budget_bytes: int | None = None
-    prefix_cache_bytes: int | None = None
-    # Speculative decoding (engine/core/speculative.py): the longest draft a decode step checks per
-    # sequence; 0: off. Drafts come from `draft_path`'s model where set (a smaller model of
-    # the same tokenizer, engine/core/draft_model.py), else by prompt lookup.
-    speculative_tokens: int = 0
-    draft_path: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
-        return cls(**data)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine reports about a loaded model."""
-
-    name: str
-    context_length: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    supports_tools: bool = False
-    max_choices: int = MAX_CHOICES  # the most choices (n) one request may ask for
-    # The most tokens (prompt + completion, summed over choices) one request may hold in the
-    # engine's memory budget; None: no limit known.
-    max_request_tokens: int | None = None
-    hybrid: bool = False  # recurrent layers: prompt checkpoints are worth computing
-    # The chat template the model renders with ("" if none): the server detects the tool-call
-    # and reasoning syntax from it when the registry names no parser.
-    chat_template: str = ""
-    # The tokenizer's added tokens (<tool_call>, <|python_tag|>, [TOOL_CALLS], ...) by their ids,
-    # which a grammar names as tokens rather than text (inference/services/structured.py).
-    added_tokens: Mapping[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelInfo:
-        eos, added = tuple(data["eos_token_ids"]), dict(data.get("added_tokens", {}))
-        return cls(**{**data, "eos_token_ids": eos, "added_tokens": added})
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """Where a model name stands in an engine worker, for the admin: `state` is "serving",
-    "loading" (nothing serves it yet), "failed" (its last load failed and nothing serves it),
-    "stopped" (its engine died) or "not_loaded". A failed reload beside a serving engine keeps
-    `state` "serving" and sets `error`."""
-
-    name: str
-    state: str
-    serving: ModelSpec | None = None
-    loading: ModelSpec | None = None
-    error: str | None = None
-    failed_at: float | None = None  # Unix time of the failure
-    failed_spec: ModelSpec | None = None
-    stats: EngineStats | None = None  # of the serving engine
-    restarts: int = 0  # times its engine died and was started again by the worker
 
 
 @dataclass(frozen=True)
@@ -351,50 +226,6 @@ class GenerationRequest:
         )
 
 
-def validate_generation(
-    request: GenerationRequest, info: ModelInfo, *, prompt_param: str = "prompt"
-) -> None:
-    """The one check of a request against the model that will run it: sampling ranges, every
-    token id inside the vocabulary, the prompt and its completion inside the context, and n
-    within what the engine can run. Raises InvalidRequestError naming the offending parameter
-    (`prompt_param` for the prompt: "messages" on chat, "prompt" on completions).
-
-    The API calls it at the edge; the engine calls it again when a request is submitted,
-    because a bad id reaching the device corrupts other requests' memory."""
-    params = request.sampling
-    params.validate(vocab_size=info.vocab_size)
-    if params.n > info.max_choices:
-        raise InvalidRequestError(
-            f"This model serves at most {info.max_choices} choices per request (n={params.n}).",
-            param="n",
-        )
-    num_prompt = len(request.prompt_token_ids)
-    if num_prompt == 0:
-        raise InvalidRequestError(f"The {prompt_param} is empty.", param=prompt_param)
-    if any(not 0 <= t < info.vocab_size for t in request.prompt_token_ids):
-        raise InvalidRequestError(
-            f"The {prompt_param} has token ids outside the vocabulary.", param=prompt_param
-        )
-    completion = params.max_tokens or 1
-    needed = params.n * (num_prompt + completion)
-    if info.max_request_tokens is not None and needed > info.max_request_tokens:
-        raise InvalidRequestError(
-            f"This request needs room for {needed} tokens ({params.n} × ({num_prompt} + "
-            f"{completion})) in the model's memory, which holds {info.max_request_tokens}. "
-            "Lower max_tokens or n, or shorten the prompt.",
-            param="max_tokens",
-        )
-    if num_prompt + completion > info.context_length:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {info.context_length} tokens. However, you "
-            f"requested {num_prompt + completion} tokens ({num_prompt} in the {prompt_param}, "
-            f"{completion} in the completion). Please reduce the length of the {prompt_param} "
-            "or completion.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-
-
 @dataclass(frozen=True)
 class TopLogprob:
     token: str
@@ -447,27 +278,3 @@ class GenerationOutput:
                 for lp in data["logprobs"]
             )
         return cls(**data)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Per-model load, for admin, `/metrics` and (later) routing between workers."""
-
-    model: str
-    num_waiting: int = 0
-    num_running: int = 0
-    tokens_per_second: float = 0.0
-    step_time_ms: float = 0.0
-    num_steps: int = 0
-    num_generated_tokens: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    prefill_chunk_tokens: int = 0
-    memory_budget_bytes: int = 0
-    # Speculative decoding: draft tokens checked, and of those accepted (since load).
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    prefix_cache: Mapping[str, int] = field(default_factory=dict)  # PrefixCacheStats.to_dict()
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)

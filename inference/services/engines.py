@@ -1,16 +1,26 @@
-"""Where the web side gets its EngineClient: the in-process worker by default."""
+"""Where the web side gets its EngineClient (the in-process worker by default, or the remote
+client of `runengine` workers), and how the engines follow the registry."""
 
 import atexit
 import logging
 import threading
+from collections.abc import Callable
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from engine.client import EngineClient
+from engine import EngineClient
 
 logger = logging.getLogger(__name__)
 _client: EngineClient | None = None
+# Called at process exit once the engines have stopped (`after_engines_stop`).
+_after_stop: list[Callable[[], None]] = []
+
+
+def after_engines_stop(callback: Callable[[], None]) -> None:
+    """Run `callback` at process exit, after the engine client has stopped (its threads
+    joined): e.g. finishing the usage rows of requests the shutdown cut off."""
+    _after_stop.append(callback)
 
 
 def get_engine_client() -> EngineClient:
@@ -19,25 +29,25 @@ def get_engine_client() -> EngineClient:
         if settings.ORCHARD_ENGINE == "remote":
             _client = remote_client()
         elif settings.ORCHARD_ENGINE == "local":
-            from engine.local import LocalEngineClient
+            from engine import LocalEngineClient
 
             _client = LocalEngineClient()
         else:
             raise ImproperlyConfigured(f"Unknown ORCHARD_ENGINE {settings.ORCHARD_ENGINE!r}.")
         # Stop with the web process: abort what is in flight and join the engine threads, so no
-        # thread is killed in the middle of an MLX call; then finish the usage rows of requests
-        # the server's shutdown cut off (atexit runs the last registered first).
-        atexit.register(_finish_open_rows)
+        # thread is killed in the middle of an MLX call; then run the after-stop callbacks
+        # (atexit runs the last registered first).
+        atexit.register(_stopped)
         atexit.register(_client.close, 10)
     return _client
 
 
-def _finish_open_rows() -> None:
-    from inference.services.execution import finish_open_executions
-
-    count = finish_open_executions()
-    if count:
-        logger.info("finished %d usage row(s) of requests cut off by the shutdown", count)
+def _stopped() -> None:
+    for callback in _after_stop:
+        try:
+            callback()
+        except Exception:
+            logger.exception("an after-stop callback failed")
 
 
 def remote_client() -> EngineClient:

@@ -7,7 +7,7 @@ import time
 import pytest
 from asgiref.sync import sync_to_async
 
-from config.request_threads import ExecutorPool, detach, in_own_thread
+from common.request_threads import ExecutorPool, detach, in_own_thread
 
 
 def current_thread_name() -> tuple[str, int]:

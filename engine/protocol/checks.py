@@ -1,0 +1,51 @@
+"""The one check of a generation request against the model that will run it."""
+
+from __future__ import annotations
+
+from engine.protocol.errors import InvalidRequestError
+from engine.protocol.generation import GenerationRequest
+from engine.protocol.models import ModelInfo
+
+
+def validate_generation(
+    request: GenerationRequest, info: ModelInfo, *, prompt_param: str = "prompt"
+) -> None:
+    """The one check of a request against the model that will run it: sampling ranges, every
+    token id inside the vocabulary, the prompt and its completion inside the context, and n
+    within what the engine can run. Raises InvalidRequestError naming the offending parameter
+    (`prompt_param` for the prompt: "messages" on chat, "prompt" on completions).
+
+    The API calls it at the edge; the engine calls it again when a request is submitted,
+    because a bad id reaching the device corrupts other requests' memory."""
+    params = request.sampling
+    params.validate(vocab_size=info.vocab_size)
+    if params.n > info.max_choices:
+        raise InvalidRequestError(
+            f"This model serves at most {info.max_choices} choices per request (n={params.n}).",
+            param="n",
+        )
+    num_prompt = len(request.prompt_token_ids)
+    if num_prompt == 0:
+        raise InvalidRequestError(f"The {prompt_param} is empty.", param=prompt_param)
+    if any(not 0 <= t < info.vocab_size for t in request.prompt_token_ids):
+        raise InvalidRequestError(
+            f"The {prompt_param} has token ids outside the vocabulary.", param=prompt_param
+        )
+    completion = params.max_tokens or 1
+    needed = params.n * (num_prompt + completion)
+    if info.max_request_tokens is not None and needed > info.max_request_tokens:
+        raise InvalidRequestError(
+            f"This request needs room for {needed} tokens ({params.n} × ({num_prompt} + "
+            f"{completion})) in the model's memory, which holds {info.max_request_tokens}. "
+            "Lower max_tokens or n, or shorten the prompt.",
+            param="max_tokens",
+        )
+    if num_prompt + completion > info.context_length:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {info.context_length} tokens. However, you "
+            f"requested {num_prompt + completion} tokens ({num_prompt} in the {prompt_param}, "
+            f"{completion} in the completion). Please reduce the length of the {prompt_param} "
+            "or completion.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
