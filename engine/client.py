@@ -1,15 +1,20 @@
 """The one interface through which the web side talks to the engine.
 
-`LocalEngineClient` (engine/local.py) runs the worker in this process; a remote client over the
-Channels layer implements the same methods later. The API never touches schedulers or MLX.
+`LocalEngineClient` (engine/local.py) runs the worker in this process; `RemoteEngineClient`
+(inference/workers/) reaches `runengine` workers over the Channels layer. Everything the web
+side asks of a running engine is a method here, implemented by both: generation, embeddings,
+rendering and tokenizing, and the models' facts and status. The API never touches schedulers or
+MLX.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from engine.protocol import (
+    EmbeddingInfo,
     EngineStats,
     GenerationOutput,
     GenerationRequest,
@@ -19,6 +24,9 @@ from engine.protocol import (
     PromptInput,
     RenderedPrompt,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class EngineClient(abc.ABC):
@@ -79,6 +87,21 @@ class EngineClient(abc.ABC):
         """Stream outputs for a request. Validation errors and overload are raised before the
         first output. Closing the iterator early (or cancelling the task consuming it) aborts
         the request in the engine, freeing its slot within one engine step."""
+
+    @abc.abstractmethod
+    async def embedding_model(self, spec: ModelSpec) -> EmbeddingInfo:
+        """The info of the embedding model `spec` names, loading it if nothing serves it yet;
+        ModelLoadError (EmbeddingLoadError) when it cannot be loaded."""
+
+    @abc.abstractmethod
+    async def tokenize(self, model: str, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids by an embedding model's tokenizer (its special tokens
+        included, cut at nothing: the caller checks them against the model's context)."""
+
+    @abc.abstractmethod
+    async def embed(self, model: str, token_ids: list[list[int]]) -> np.ndarray:
+        """The (inputs, dimensions) float32 vectors of an embedding model for token ids it has
+        checked; concurrent calls share the model's forwards."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -169,14 +169,14 @@ class LocalEngineClient(EngineClient):
         self.renderer.close()
         self.embedders.stop()
 
-    async def embedding_model(self, name: str, path: str) -> EmbeddingInfo:
-        return (await asyncio.to_thread(self.embedders.get, name, path)).info
+    async def embedding_model(self, spec: ModelSpec) -> EmbeddingInfo:
+        return (await asyncio.to_thread(self.embedders.get, spec.name, spec.path)).info
 
-    async def tokenize_texts(self, name: str, texts: list[str]) -> list[list[int]]:
-        return await asyncio.to_thread(self.embedders.running(name).tokenize, texts)
+    async def tokenize(self, model: str, texts: list[str]) -> list[list[int]]:
+        return await asyncio.to_thread(self.embedders.running(model).tokenize, texts)
 
-    async def embed(self, name: str, token_ids: list[list[int]]) -> np.ndarray:
-        return await asyncio.wrap_future(self.embedders.running(name).submit(token_ids))
+    async def embed(self, model: str, token_ids: list[list[int]]) -> np.ndarray:
+        return await asyncio.wrap_future(self.embedders.running(model).submit(token_ids))
 
 
 def _report_load(name: str, future: concurrent.futures.Future) -> None:

@@ -19,6 +19,7 @@ class ModelSpec:
     name: str
     path: str
     engine: str = "batched"  # "batched" | "simple"
+    kind: str = "chat"  # "chat" | "embedding" (a sentence encoder: engine/models/embeddings.py)
     context_length: int | None = None  # None: read from the model's config
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

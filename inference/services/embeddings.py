@@ -26,7 +26,7 @@ from inference.models import ModelEntry, UsageRecord
 from inference.services import metrics
 from inference.services.engines import get_engine_client
 from inference.services.refusals import admission_refused
-from inference.services.registry import model_for_key
+from inference.services.registry import model_for_key, model_spec
 from inference.services.usage import usage_record_finished
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ async def embeddings_create(
             param="dimensions",
         )
     if isinstance(inputs[0], str):
-        token_ids = await client.tokenize_texts(entry.name, inputs)
+        token_ids = await client.tokenize(entry.name, inputs)
     else:
         token_ids = inputs
     _check(token_ids, info)
@@ -122,7 +122,7 @@ async def embeddings_create(
 
 async def _serving(client, entry: ModelEntry) -> EmbeddingInfo:
     try:
-        return await client.embedding_model(entry.name, entry.path)
+        return await client.embedding_model(model_spec(entry))
     except EmbeddingLoadError as exc:
         logger.error("embedding model %s could not be loaded: %s", entry.name, exc)
         raise APIError(

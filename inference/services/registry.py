@@ -83,6 +83,7 @@ def model_spec(entry: ModelEntry) -> ModelSpec:
         name=entry.name,
         path=entry.path,
         engine=entry.engine,
+        kind=entry.kind,
         context_length=entry.context_length,
         max_num_seqs=entry.max_num_seqs,
         max_num_batched_tokens=entry.max_num_batched_tokens,

@@ -38,6 +38,7 @@ from asgiref.sync import async_to_sync
 
 from engine import (
     Embedders,
+    EmbeddingInfo,
     EngineClient,
     EngineStats,
     GenerationOutput,
@@ -536,6 +537,16 @@ class RemoteEngineClient(EngineClient):
         if "error" in result:
             raise decode_error(result["error"])
         return result["value"]
+
+    # Embeddings (served in this process for now)
+    async def embedding_model(self, spec: ModelSpec) -> EmbeddingInfo:
+        return (await asyncio.to_thread(self.embedders.get, spec.name, spec.path)).info
+
+    async def tokenize(self, model: str, texts: list[str]) -> list[list[int]]:
+        return await asyncio.to_thread(self.embedders.running(model).tokenize, texts)
+
+    async def embed(self, model: str, token_ids: list[list[int]]):
+        return await asyncio.wrap_future(self.embedders.running(model).submit(token_ids))
 
     # Generating
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
