@@ -80,7 +80,7 @@ class ApiKey(models.Model):
         blank=True,
         related_name="+",
     )
-    # Model names, not foreign keys: accounts does not depend on inference (ARCHITECTURE.md).
+    # Model names, not foreign keys: accounts does not depend on inference (docs/architecture.md).
     all_models = models.BooleanField(default=True)
     # May read its team's usage through GET /v1/organization/usage/completions (for billing
     # scripts); set by owners and staff in the admin.

@@ -24,12 +24,9 @@ import engine  # noqa: E402, F401  (OpenBLAS before anything imports mlx)
 # isort: split
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import datetime  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -37,16 +34,13 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
+from bench.results import load_average, run_header, write_results  # noqa: E402
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
 MODEL = "smollm2"
 MODEL_DIR = ROOT / "var" / "cache" / "test-models" / "smollm2-135m-f32"
 CONCURRENCY = (1, 8, 16)
 TARGET_RATIO = 0.9
-RESULTS = ROOT / "bench" / "RESULTS.md"
-SECTION_TITLE = "# API overhead (bench/api.py)"
-START_MARK = "<!-- bench/api.py: latest run (written by the script) -->"
-END_MARK = "<!-- bench/api.py: end of latest run -->"
 # A limit that never refuses but still takes the limiter's full path (rpm and tpm logs,
 # parallel lease, budget seeded from the database).
 HIGH_LIMITS = {"rpm": 10**7, "tpm": 10**12, "max_parallel": 10**4, "budget_tokens": 10**15}
@@ -60,11 +54,6 @@ class Run:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f}, {five:.2f}, {fifteen:.2f}"
 
 
 def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
@@ -283,25 +272,6 @@ def table(args, results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_results(
-    block: str, start: str = START_MARK, end: str = END_MARK, title: str = SECTION_TITLE
-) -> None:
-    """Put `block` between the `start` and `end` markers in bench/RESULTS.md (under `title`,
-    appended as a new section if it is not there yet); other scripts pass their own."""
-    # Re-read right before writing: the ENGINE section of this file has another owner.
-    text = RESULTS.read_text() if RESULTS.exists() else ""
-    wrapped = f"{start}\n{block}\n{end}"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + wrapped + rest.split(end, 1)[1]
-    elif title in text:
-        head, rest = text.split(title, 1)
-        text = f"{head}{title}\n\n{wrapped}\n{rest}"
-    else:
-        text = f"{text.rstrip()}\n\n{title}\n\n{wrapped}\n"
-    RESULTS.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -314,7 +284,6 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=600, help="seconds to wait for quiet")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    command = shlex.join([".venv/bin/python", "bench/api.py", *sys.argv[1:]])
 
     wait_for_quiet(args.max_load, args.max_wait)
     load_before = load_average()
@@ -334,12 +303,12 @@ def main() -> None:
     load_after = load_average()
     block = "\n".join(
         [
-            f"Command: `{command}` (= `make bench-api`)",
-            "",
-            f"Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}. Machine: "
-            f"{os.cpu_count()} CPU cores ({platform.machine()}), shared by the engine alone, "
-            "daphne and the benchmark's own clients. Load average (1, 5, 15 min) before: "
-            f"{load_before}; after: {load_after}.",
+            *run_header(
+                "api.py",
+                ", shared by the engine alone, daphne and the benchmark's own clients. Load "
+                f"average (1, 5, 15 min) before: {load_before}; after: {load_after}.",
+                note=" (= `make bench-api`)",
+            ),
             "",
             f"SmolLM2-135M float32, greedy, EOS ignored, {args.max_tokens} tokens per request; "
             f"each of `concurrency` clients sends {args.requests_per_client} requests one after "
@@ -353,7 +322,7 @@ def main() -> None:
     )
     print("\n" + block)
     if not args.no_write:
-        write_results(block)
+        write_results("api.py", "API overhead", block)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,6 @@ Results go in bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,16 +31,13 @@ import engine  # noqa: F401  (first: the BLAS and Orchard's sgemm before mlx)
 import mlx.core as mx
 from mlx_lm.models import base
 
-from bench.api import load_average, wait_for_quiet, write_results
+from bench.api import wait_for_quiet
 from bench.engine import default_model
-from bench.sgemm import CONTEXT, decode_step
-from engine.cache.mlx_caches import make_cache, merge
+from bench.results import load_average, run_header, write_results
+from bench.sgemm import decode_cache, decode_step
 from engine.kernels import attention
 from engine.models.loader import load_model
 
-TITLE = "# Fused decode attention (bench/attention.py)"
-START = "<!-- bench/attention.py: latest run (written by the script) -->"
-END = "<!-- bench/attention.py: end of latest run -->"
 BATCHES = (1, 4, 16, 32, 64)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -80,14 +74,7 @@ def both_ways(fn, rounds: int, measure) -> tuple[list[float], list[float]]:
 def graph_nodes(model, batch: int) -> dict[bool, int]:
     """Primitives in one decode step's graph (built, not evaluated), without and with the fused
     kernel, from `mx.export_to_dot`."""
-    caches = []
-    for row in range(batch):
-        cache = make_cache(model)
-        model(mx.array([[100 + row + i for i in range(CONTEXT)]]), cache=cache)
-        mx.eval([layer.state for layer in cache])
-        caches.append(cache)
-    cache = merge(caches)
-    mx.eval([layer.state for layer in cache])
+    cache = decode_cache(model, batch)
     counts = {}
     for fused in (False, True):
         attention.FUSED = fused
@@ -147,14 +134,13 @@ def main() -> None:
     per_layer = (nodes[False] - nodes[True]) / len(model.layers)
     print(nodes, flush=True)
 
-    command = " ".join([".venv/bin/python", "bench/attention.py", *sys.argv[1:]])
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     block = "\n".join(
         [
-            f"Command: `{command}`",
-            "",
-            f"Date: {now}. Machine: {os.cpu_count()} CPU cores ({platform.machine()}). Load "
-            f"average before: {load_before}; after: {load_average()}. mlx {mx.__version__}.",
+            *run_header(
+                "attention.py",
+                f". Load average before: {load_before}; after: {load_average()}. mlx "
+                f"{mx.__version__}.",
+            ),
             "",
             "One layer's attention alone (9 query heads, 3 KV heads of 64, float32, the bool "
             f"mask of a BatchKVCache), best of 50 calls in each of {max(4, args.rounds // 4)} "
@@ -174,7 +160,7 @@ def main() -> None:
     )
     print(block)
     if not args.no_write:
-        write_results(block, START, END, TITLE)
+        write_results("attention.py", "Fused decode attention", block)
 
 
 if __name__ == "__main__":

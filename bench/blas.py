@@ -35,11 +35,9 @@ modification or reverse engineering; the wheel is ~230 MB (~690 MB unpacked).
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -49,6 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.results import cpu_model, load_average, run_header  # noqa: E402
 
 MKL_CACHE = ROOT / "var" / "cache" / "blas" / "mkl"
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
@@ -261,10 +261,6 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def load_average() -> str:
-    return ", ".join(f"{value:.2f}" for value in os.getloadavg())
-
-
 def busy_cores(seconds: float = 1.0) -> float:
     """Cores' worth of CPU time the rest of the machine used over `seconds` (no worker runs
     meanwhile). The load average lags by minutes; this says whether now is a fair moment."""
@@ -302,12 +298,12 @@ def per_forward_ms(matmul: dict[str, float], rows: int, layout: str) -> float:
 def report(results: dict, reference: float, args, load_before: str, load_after: str) -> str:
     configs = list(results)
     out = [
-        f"Command: `{' '.join(['.venv/bin/python', 'bench/blas.py', *sys.argv[1:]])}`",
-        "",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Machine: "
-        f"{os.cpu_count()} CPU cores ({platform.machine()}, {cpu_model()}). Load average "
-        f"(1, 5, 15 min) before: {load_before}; after: {load_after}. {versions()}. "
-        f"{args.rounds} rounds, libraries alternated, best of each.",
+        *run_header(
+            "blas.py",
+            f", {cpu_model()}. Load average (1, 5, 15 min) before: {load_before}; after: "
+            f"{load_after}. {versions()}. {args.rounds} rounds, libraries alternated, best of "
+            "each.",
+        ),
         "",
         f"Reference BLAS (ORCHARD_BLAS=off): {reference:.1f} GFLOP/s at 1024^3.",
         "",
@@ -342,17 +338,6 @@ def report(results: dict, reference: float, args, load_before: str, load_after: 
     rows = [[c] + [f"{results[c]['forward'][label]:.1f}" for label in FORWARDS] for c in configs]
     out.append(table(["library, threads", *FORWARDS], rows))
     return "\n".join(out)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

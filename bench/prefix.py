@@ -30,13 +30,10 @@ import engine  # noqa: E402, F401  (OpenBLAS before anything imports mlx)
 # isort: split
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import datetime  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
-import shlex  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -46,14 +43,15 @@ import uuid  # noqa: E402
 
 import httpx  # noqa: E402
 
-from bench.api import MODEL_DIR, load_average  # noqa: E402
+from bench.api import MODEL_DIR  # noqa: E402
+from bench.results import (  # noqa: E402
+    load_average,
+    run_header,
+    write_results,
+)
 from engine.kernels.blas import find_blas  # noqa: E402
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
-START_MARK = "<!-- bench/prefix.py: latest run (written by the script) -->"
-END_MARK = "<!-- bench/prefix.py: end of latest run -->"
-SECTION_TITLE = "# Prefix cache and chunked prefill (bench/prefix.py)"
 WORDS = (
     "orchard apple pear plum cherry blossom branch root soil rain sun harvest basket ladder "
     "graft prune season spring summer autumn winter frost bee honey leaf bark seed tree row"
@@ -302,15 +300,14 @@ def run(args) -> dict:
     return results
 
 
-def report(args, results: dict, command: str, load: tuple[str, str]) -> str:
+def report(args, results: dict, load: tuple[str, str]) -> str:
     lines = [
-        f"Command: `{command}`",
-        "",
-        f"Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}. Machine: "
-        f"{os.cpu_count()} CPU cores ({platform.machine()}), mlx[cpu] with OpenBLAS. Load "
-        f"average before: {load[0]}; after: {load[1]}. Both servers run on this machine, one "
-        "model each at a time; greedy; medians of "
-        f"{args.repeat} rounds.",
+        *run_header(
+            "prefix.py",
+            f", mlx[cpu] with OpenBLAS. Load average before: {load[0]}; after: {load[1]}. Both "
+            "servers run on this machine, one model each at a time; greedy; medians of "
+            f"{args.repeat} rounds.",
+        ),
         "",
         f"## Time to first token, ~{args.prefix_words}-word system prompt (≈1000 tokens)",
         "",
@@ -342,17 +339,6 @@ def report(args, results: dict, command: str, load: tuple[str, str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(block: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else ""
-    wrapped = f"{START_MARK}\n{block}\n{END_MARK}"
-    if START_MARK in text and END_MARK in text:
-        head, rest = text.split(START_MARK, 1)
-        text = head + wrapped + rest.split(END_MARK, 1)[1]
-    else:
-        text = f"{text.rstrip()}\n\n{SECTION_TITLE}\n\n{wrapped}\n"
-    RESULTS.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -360,13 +346,12 @@ def main() -> None:
     parser.add_argument("--long-words", type=int, default=1500)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    command = shlex.join([".venv/bin/python", "bench/prefix.py", *sys.argv[1:]])
     before = load_average()
     results = run(args)
-    block = report(args, results, command, (before, load_average()))
+    block = report(args, results, (before, load_average()))
     print("\n" + block)
     if not args.no_write:
-        write_results(block)
+        write_results("prefix.py", "Prefix cache and chunked prefill", block)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,10 @@ import engine  # noqa: E402, F401  (OpenBLAS before anything imports mlx)
 # isort: split
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import datetime  # noqa: E402
 import importlib.metadata  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
-import shlex  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
@@ -45,14 +42,16 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import httpx  # noqa: E402
 
-from bench.api import MODEL, MODEL_DIR, load_average, setup_home, wait_for_quiet, write_results  # noqa: E402
+from bench.api import MODEL, MODEL_DIR, setup_home, wait_for_quiet  # noqa: E402
 from bench.prefix import WORDS  # noqa: E402
+from bench.results import (  # noqa: E402
+    load_average,
+    run_header,
+    write_results,
+)
 from engine.kernels.blas import fast_sgemm_wanted, find_blas  # noqa: E402
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
-SECTION_TITLE = "# Orchard against mlx_lm.server (bench/serve_compare.py)"
-START_MARK = "<!-- bench/serve_compare.py: latest run (written by the script) -->"
-END_MARK = "<!-- bench/serve_compare.py: end of latest run -->"
 PEER = "mlx_lm.server"
 PROMPT_WORDS = 50  # with the instruction and SmolLM2's chat template: ~96 prompt tokens
 # The issue's targets, Orchard / mlx_lm.server, at the levels they name.
@@ -284,7 +283,6 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=600, help="seconds to wait for quiet")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    command = shlex.join([".venv/bin/python", "bench/serve_compare.py", *sys.argv[1:]])
     blas = find_blas()
     if blas is None:
         parser.error("no BLAS library to preload (engine/kernels/blas.py found none, or it is off)")
@@ -328,17 +326,18 @@ def main() -> None:
     prompt_tokens = [n for level in best.values() for n in level.prompt_tokens]
     block = "\n".join(
         [
-            f"Command: `{command}` (`make bench-serve` runs it with the defaults)",
-            "",
-            f"Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}. Machine: "
-            f"{os.cpu_count()} CPU cores ({platform.machine()}), both servers up all run, one "
-            f"generating at a time. Load average before: {load_before}; after: {load_after}. "
-            f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, openai {version('openai')}; "
-            f"both servers preload `{blas}` (RTLD_GLOBAL, before mlx); Orchard "
-            + (
-                "puts its own cblas_sgemm in front of it (engine/kernels/native/sgemm.c)."
-                if fast_sgemm_wanted()
-                else "without its own cblas_sgemm (ORCHARD_FAST_SGEMM=0)."
+            *run_header(
+                "serve_compare.py",
+                ", both servers up all run, one generating at a time. Load average before: "
+                f"{load_before}; after: {load_after}. mlx {version('mlx')}, mlx-lm "
+                f"{version('mlx-lm')}, openai {version('openai')}; both servers preload "
+                f"`{blas}` (RTLD_GLOBAL, before mlx); Orchard "
+                + (
+                    "puts its own cblas_sgemm in front of it (engine/kernels/native/sgemm.c)."
+                    if fast_sgemm_wanted()
+                    else "without its own cblas_sgemm (ORCHARD_FAST_SGEMM=0)."
+                ),
+                note=" (`make bench-serve` runs it with the defaults)",
             ),
             "",
             f"Orchard: daphne + config.asgi, `{MODEL}` with the registry's defaults ({registry}), "
@@ -358,7 +357,7 @@ def main() -> None:
     )
     print("\n" + block)
     if not args.no_write:
-        write_results(block, START_MARK, END_MARK, SECTION_TITLE)
+        write_results("serve_compare.py", "Orchard against mlx_lm.server", block)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ Results go in bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -33,15 +31,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from bench.api import load_average, wait_for_quiet, write_results
+from bench.api import wait_for_quiet
 from bench.engine import default_model
+from bench.results import load_average, run_header, write_results
 from engine.cache.mlx_caches import make_cache, merge
 from engine.kernels import blas
 from engine.models.loader import load_model
 
-TITLE = "# Small-M sgemm (bench/sgemm.py)"
-START = "<!-- bench/sgemm.py: latest run (written by the script) -->"
-END = "<!-- bench/sgemm.py: end of latest run -->"
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
 DECODE_BATCHES = (1, 4, 16, 32, 64)
 CONTEXT = 128
@@ -97,7 +93,8 @@ def attention_products():
     return run
 
 
-def decode_step(model: nn.Module, batch: int):
+def decode_cache(model: nn.Module, batch: int):
+    """A decode batch's cache: `batch` rows of `CONTEXT` tokens each, prefilled and merged."""
     caches = []
     for row in range(batch):
         cache = make_cache(model)
@@ -106,6 +103,11 @@ def decode_step(model: nn.Module, batch: int):
         caches.append(cache)
     cache = merge(caches)
     mx.eval([layer.state for layer in cache])
+    return cache
+
+
+def decode_step(model: nn.Module, batch: int):
+    cache = decode_cache(model, batch)
     tokens = mx.array([[5]] * batch)
 
     def run():
@@ -174,16 +176,14 @@ def main() -> None:
     print(forwards[-1], flush=True)
     blas.sgemm_max_rows(args.max_rows)
 
-    command = " ".join([".venv/bin/python", "bench/sgemm.py", *sys.argv[1:]])
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    threads = os.environ.get(blas.SGEMM_THREADS_ENV) or len(os.sched_getaffinity(0))
     block = "\n".join(
         [
-            f"Command: `{command}`",
-            "",
-            f"Date: {now}. Machine: {os.cpu_count()} CPU cores ({platform.machine()}), "
-            f"{os.environ.get(blas.SGEMM_THREADS_ENV) or len(os.sched_getaffinity(0))} sgemm "
-            f"threads. Load average before: {load_before}; after: {load_average()}. "
-            f"Library: `{blas.sgemm_backend()}`.",
+            *run_header(
+                "sgemm.py",
+                f", {threads} sgemm threads. Load average before: {load_before}; after: "
+                f"{load_average()}. Library: `{blas.sgemm_backend()}`.",
+            ),
             "",
             "SmolLM2-135M float32. Best of "
             f"{args.rounds} alternated rounds (3 calls each). The model's weight matmuls "
@@ -200,7 +200,7 @@ def main() -> None:
     )
     print(block)
     if not args.no_write:
-        write_results(block, START, END, TITLE)
+        write_results("sgemm.py", "Small-M sgemm", block)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,7 @@ identical with and without; the run stops if they are not. Orchard's
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import random
 import sys
 import time
@@ -29,15 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine  # noqa: F401  (first: OpenBLAS must load before mlx)
 
 # isort: split
-from bench.api import write_results
 from bench.engine import default_model
+from bench.results import run_header, write_results
 from engine.core.batched import BatchedEngine
 from engine.models.loader import LoadedModel, load_model
 from engine.protocol import GenerationRequest, ModelSpec, SamplingParams
 
-TITLE = "# Speculative decoding (bench/speculative.py)"
-START = "<!-- bench/speculative.py: latest run (written by the script) -->"
-END = "<!-- bench/speculative.py: end of latest run -->"
 DRAFT_TOKENS = 4
 WORDS = (
     "the river town kept its old mill working long after the railway came and every spring "
@@ -170,14 +165,11 @@ def main() -> None:
     if args.no_write:
         return
     lines = [
-        f"Command: `.venv/bin/python bench/speculative.py --repeat {args.repeat} "
-        f"--streams {' '.join(map(str, args.streams))}"
-        + (f" --draft-model {args.draft_model}`" if args.draft_model else "`"),
-        "",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Machine: "
-        f"{os.cpu_count()} CPU cores ({platform.machine()}). Load average (1, 5, 15 min) "
-        f"before: {', '.join(f'{x:.2f}' for x in load_before)}; after: "
-        f"{', '.join(f'{x:.2f}' for x in load_after)}.",
+        *run_header(
+            "speculative.py",
+            f". Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
+            f"after: {', '.join(f'{x:.2f}' for x in load_after)}.",
+        ),
         "",
         "SmolLM2-135M float32, greedy; best of the runs; outputs identical with and without.",
         "",
@@ -189,7 +181,7 @@ def main() -> None:
             for k, s, n, a, b, d, acc in rows
         ),
     ]
-    write_results("\n".join(lines), START, END, TITLE)
+    write_results("speculative.py", "Speculative decoding", "\n".join(lines))
 
 
 if __name__ == "__main__":

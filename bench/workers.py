@@ -29,10 +29,7 @@ import engine  # noqa: E402, F401  (OpenBLAS before anything imports mlx)
 # isort: split
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import datetime  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
@@ -45,13 +42,10 @@ sys.path.append(str(ROOT / "bench"))  # after `engine`: bench/engine.py would sh
 
 from api import MODEL, Run, http_run, load_average, messages, setup_home, wait_for_quiet  # noqa: E402
 
+from bench.results import run_header, write_results  # noqa: E402
 from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
 REDIS_URL = "redis://127.0.0.1:6379/11"
-RESULTS = ROOT / "bench" / "RESULTS.md"
-SECTION_TITLE = "# Remote engine workers (bench/workers.py)"
-START_MARK = "<!-- bench/workers.py: latest run (written by the script) -->"
-END_MARK = "<!-- bench/workers.py: end of latest run -->"
 THROUGHPUT_TARGET = 0.9
 TTFT_TARGET_MS = 5.0
 
@@ -158,7 +152,6 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=600, help="seconds to wait for quiet")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    command = shlex.join([".venv/bin/python", "bench/workers.py", *sys.argv[1:]])
 
     wait_for_quiet(args.max_load, args.max_wait)
     load_before = load_average()
@@ -210,12 +203,11 @@ def main() -> None:
     )
     block = "\n".join(
         [
-            f"Command: `{command}`",
-            "",
-            f"Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}. Machine: "
-            f"{os.cpu_count()} CPU cores ({platform.machine()}), shared by daphne, the worker, "
-            "Redis and the benchmark's clients. Load average (1, 5, 15 min) before: "
-            f"{load_before}; after: {load_after}.",
+            *run_header(
+                "workers.py",
+                ", shared by daphne, the worker, Redis and the benchmark's clients. Load "
+                f"average (1, 5, 15 min) before: {load_before}; after: {load_after}.",
+            ),
             "",
             f"SmolLM2-135M float32, greedy, EOS ignored. Throughput: {args.streams} concurrent "
             f"streams of {args.max_tokens} tokens, best of {args.repeat} rounds. First token: "
@@ -229,14 +221,7 @@ def main() -> None:
     )
     print("\n" + block)
     if not args.no_write:
-        text = RESULTS.read_text() if RESULTS.exists() else ""
-        wrapped = f"{START_MARK}\n{block}\n{END_MARK}"
-        if START_MARK in text and END_MARK in text:
-            head, rest = text.split(START_MARK, 1)
-            text = head + wrapped + rest.split(END_MARK, 1)[1]
-        else:
-            text = f"{text.rstrip()}\n\n{SECTION_TITLE}\n\n{wrapped}\n"
-        RESULTS.write_text(text)
+        write_results("workers.py", "Remote engine workers", block)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model: a smaller model of the same tokenizer proposes the
 next tokens of each drafting sequence, and the batch runner checks them in one forward of the
-served model (engine/core/runner.py), as it checks prompt-lookup drafts.
+served model (engine/core/forward.py), as it checks prompt-lookup drafts.
 
 The draft model proposes greedily: each draft is a point, and a draft token is kept when it
 equals the token the served model samples at its position, with that position's own sampling

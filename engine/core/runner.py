@@ -1,5 +1,6 @@
-"""The one module that calls the model (engine/cache/mlx_caches.py is the one that handles mlx-lm's
-cache objects).
+"""The runners: the decode batch's rows and caches, kept in step with the scheduler's plan. The
+forwards they make (a prefill, a decode step, the logits of chosen positions, a check of drafts)
+are in engine/core/forward.py; engine/cache/mlx_caches.py handles mlx-lm's cache objects.
 
 The runner computes what the scheduler decided and makes no policy. Only the engine thread of
 a model calls into it.
@@ -8,7 +9,7 @@ Batching follows mlx-lm's own scheme: prompts are prefilled, all but their last 
 and in chunks, or together (right padding, masked) when several start and end in one step;
 their caches then join the decode batch (`BatchKVCache` / `ArraysCache` merge and extend, left
 padding), and each last prompt token is fed with the decode step, whose last-position logits
-give the first token. In float32 the padded batch changes no greedy token (FACTS.md).
+give the first token. In float32 the padded batch changes no greedy token (docs/architecture.md).
 
 With a prefix cache, a request admitted with a hit starts from a cache seeded with it; the state
 of every completed prompt (all but its last token), of every prompt checkpoint and of every
@@ -18,8 +19,6 @@ sequence that finishes is inserted into the cache for later requests.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
@@ -28,64 +27,24 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.cache.mlx_caches import Cache, concatenate, make_cache, merge, remember, start_cache
+from engine.cache.mlx_caches import Cache, concatenate, merge, remember, start_cache
 from engine.cache.prefix import PrefixCache
+from engine.core.forward import (
+    accept_drafts,
+    decode,
+    decode_drafts,
+    last_logits,
+    prefill,
+    sample_first,
+)
 from engine.core.request import Request, Sequence
-from engine.core.sampled import Sampled, collect, result_arrays, sample, sample_rows
+from engine.core.sampled import Sampled, collect, result_arrays, sample
 from engine.core.sampling import SampleResult
 from engine.core.scheduler import PrefillChunk, SchedulerOutput
 from engine.protocol import RequestStatus
 
 # Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
 _KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-
-
-def prefill(model: nn.Module, cache: Cache, token_ids: Seq[int]) -> None:
-    """Run tokens through the model into `cache`; the logits are never materialised."""
-    if token_ids:
-        model(mx.array(token_ids)[None], cache=cache)
-        # Logits of prefill chunks are left unevaluated (lazy), so the vocabulary projection
-        # of every prompt position is never computed.
-        mx.async_eval([c.state for c in cache])
-
-
-def last_logits(model: nn.Module) -> Callable[..., mx.array]:
-    """`forward(tokens (B, T), cache, positions, rows=None)`: the logits (N, V) of position
-    `positions[i]` of row `rows[i]` (rows None: one position per row, in row order).
-
-    The model's own call projects every position through the vocabulary; a prompt whose
-    first token comes from its prefill needs one. mlx-lm models are a backbone (`model`)
-    and a head (`lm_head`, or the embedding's transpose when tied), so where a probe shows
-    that backbone-then-head gives the model's own logits, only the wanted rows are projected;
-    otherwise (a model that post-processes its logits) the model is called whole."""
-
-    def picked(rows: list[int] | None, tokens: mx.array) -> mx.array:
-        return mx.arange(tokens.shape[0]) if rows is None else mx.array(rows)
-
-    def whole(tokens: mx.array, cache: Cache, positions: list[int], rows=None) -> mx.array:
-        logits = model(tokens, cache=cache)
-        return logits[picked(rows, tokens), mx.array(positions)]
-
-    backbone = getattr(model, "model", None)
-    if getattr(model, "lm_head", None) is not None:
-        head = model.lm_head
-    elif hasattr(getattr(backbone, "embed_tokens", None), "as_linear"):
-        head = backbone.embed_tokens.as_linear
-    else:
-        return whole
-
-    def split(tokens: mx.array, cache: Cache, positions: list[int], rows=None) -> mx.array:
-        hidden = backbone(tokens, cache)
-        return head(hidden[picked(rows, tokens), mx.array(positions)])
-
-    try:
-        probe = mx.array([[1, 2, 3, 4]])
-        expected = whole(probe, make_cache(model), [3])
-        if mx.allclose(split(probe, make_cache(model), [3]), expected, rtol=1e-4, atol=1e-4):
-            return split
-    except Exception:  # a backbone with another signature: call the model whole
-        pass
-    return whole
 
 
 @dataclass
@@ -107,17 +66,6 @@ class _Prefilled:
             *(layer.state for cache in caches for layer in cache),
             *(result_arrays(result) for _, result in self.sampled),
         ]
-
-
-@dataclass
-class _Verify:
-    """A speculative decode step in flight: the rows, their drafts (by id(seq)), the width
-    fed per row, and per position the rows that drafted that far with their samples."""
-
-    seqs: list[Sequence]
-    drafts: dict[int, tuple[int, ...]]
-    width: int
-    positions: list[tuple[list[int], SampleResult]]
 
 
 class BatchRunner:
@@ -206,7 +154,7 @@ class BatchRunner:
             batches.append(self._ahead)
             self._ahead = None
             if done.joining:
-                batches.append((done.joining, self._decode(done.joining, done.cache, 0)))
+                batches.append((done.joining, decode(self.model, done.joining, done.cache, 0)))
                 self._extend(done.joining, done.cache)
         else:
             if done.joining:
@@ -215,9 +163,11 @@ class BatchRunner:
                 # Drafts are checked on the host (how many tokens each row keeps) and the
                 # rows' rejected positions leave the cache before other rows join it; no
                 # running ahead past such a step.
-                verified = self._accept_drafts(self._decode_drafts(plan.drafts), plan)
+                rows = list(self._rows)
+                verify = decode_drafts(self._last_logits, rows, self._cache, plan.drafts)
+                verified = accept_drafts(verify, self._cache, plan.accepted)
             elif self._rows:
-                batches.append((list(self._rows), self._decode(self._rows, self._cache, 0)))
+                batches.append((list(self._rows), decode(self.model, self._rows, self._cache, 0)))
         # Prompts whose last token went through their prefill: their first token is sampled,
         # and they decode from the next step on.
         if done.sampled:
@@ -282,7 +232,7 @@ class BatchRunner:
             tokens = mx.array(prompt[chunk.start : end])[None]
             logits = self._last_logits(tokens, cache, [end - chunk.start - 1])
             self._remember(prompt, cache)
-            done.sampled.append((seqs, self._sample_first(logits, seqs)))
+            done.sampled.append((seqs, sample_first(logits, seqs)))
             sampled_caches += [cache] * len(seqs)
         done.cache = merge(joining_caches) if joining_caches else None
         done.sampled_cache = merge(sampled_caches) if sampled_caches else None
@@ -293,22 +243,11 @@ class BatchRunner:
                 done.joining += seqs
                 done.cache = batch if done.cache is None else concatenate(done.cache, batch)
             else:
-                done.sampled.append((seqs, self._sample_first(logits, seqs)))
+                done.sampled.append((seqs, sample_first(logits, seqs)))
                 done.sampled_cache = (
                     batch if done.sampled_cache is None else concatenate(done.sampled_cache, batch)
                 )
         return done
-
-    def _sample_first(self, logits: mx.array, seqs: list[Sequence]) -> SampleResult:
-        """The first token of each sequence from its prompt's last logits (one row per
-        sequence; the n choices of a request share their prompt's row)."""
-        if logits.shape[0] != len(seqs):
-            rows = [seq.request for seq in seqs]
-            requests = list(dict.fromkeys(id(r) for r in rows))
-            logits = logits[mx.array([requests.index(id(r)) for r in rows])]
-        result = sample_rows(logits, seqs)
-        mx.async_eval(result_arrays(result))
-        return result
 
     def _start(self, request: Request) -> Cache:
         hit, request.prefix_hit = request.prefix_hit, None
@@ -359,80 +298,11 @@ class BatchRunner:
         mx.async_eval([layer.state for layer in cache])
         return cache, last
 
-    def _decode(
-        self, seqs: list[Sequence], cache: Cache, num_ahead: int, inputs: mx.array | None = None
-    ) -> SampleResult:
-        if inputs is None:
-            inputs = mx.array([seq.token_at(seq.num_tokens - 1) for seq in seqs])
-        logits = self.model(inputs[:, None], cache=cache)[:, -1, :]
-        result = sample_rows(logits, seqs, num_ahead)
-        mx.async_eval(result_arrays(result))
-        return result
-
-    def _decode_drafts(self, drafts: dict[int, tuple[int, ...]]) -> _Verify:
-        """One forward of every row's last token and its draft (rows with a shorter draft
-        padded with repeats of their last token), each position sampled as an unspeculated
-        step would sample it (engine/core/speculative.py)."""
-        seqs = list(self._rows)
-        width = 1 + max(len(draft) for draft in drafts.values())
-        rows = []
-        for seq in seqs:
-            last = seq.token_at(seq.num_tokens - 1)
-            draft = drafts.get(id(seq), ())
-            rows.append([last, *draft, *[last] * (width - 1 - len(draft))])
-        # Only the positions that are sampled go through the vocabulary projection: every
-        # row's first, and a drafting row's as far as its draft.
-        kept = [
-            [r for r, seq in enumerate(seqs) if len(drafts.get(id(seq), ())) >= j]
-            for j in range(width)
-        ]
-        flat_rows = [r for rows_j in kept for r in rows_j]
-        flat_positions = [j for j, rows_j in enumerate(kept) for _ in rows_j]
-        logits = self._last_logits(mx.array(rows), self._cache, flat_positions, flat_rows)
-        positions, start = [], 0
-        for j, rows_j in enumerate(kept):
-            part = logits[start : start + len(rows_j)]
-            start += len(rows_j)
-            positions.append((rows_j, sample_rows(part, [seqs[r] for r in rows_j], j)))
-        mx.async_eval([a for _, result in positions for a in result_arrays(result)])
-        return _Verify(seqs, drafts, width, positions)
-
-    def _accept_drafts(self, verify: _Verify, plan: SchedulerOutput) -> list[Sampled]:
-        """Each row's tokens: its position-0 token, then one more per draft token equal to
-        the token sampled before it; the rejected positions are dropped from the cache."""
-        seqs = verify.seqs
-        by_position: list[dict[int, Sampled]] = []
-        for kept, result in verify.positions:
-            sampled = collect([([seqs[r] for r in kept], result)])
-            by_position.append(dict(zip(kept, sampled, strict=True)))
-        out: list[Sampled] = []
-        garbage = []
-        for r, seq in enumerate(seqs):
-            draft = verify.drafts.get(id(seq), ())
-            emitted = [by_position[0][r]]
-            while len(emitted) <= len(draft) and draft[len(emitted) - 1] == emitted[-1].token_id:
-                emitted.append(by_position[len(emitted)][r])
-            accepted = len(emitted) - 1
-            if draft:
-                plan.accepted[id(seq)] = accepted
-            out += emitted
-            garbage.append(verify.width - 1 - accepted)
-        common = min(garbage)
-        for layer in self._cache:
-            if common:
-                layer.trim(common)
-            if max(garbage) > common:
-                # mlx-lm's right-padding roll: each row's rejected positions move into its
-                # left padding, which the mask hides.
-                layer.prepare(right_padding=[g - common for g in garbage])
-                layer.finalize()
-        return out
-
     def _decode_ahead(self, batches: list[tuple[list[Sequence], SampleResult]]) -> SampleResult:
         position = {id(seq): i for i, seq in enumerate(s for seqs, _ in batches for s in seqs)}
         token_ids = mx.concatenate([result.token_ids for _, result in batches])
         inputs = token_ids[mx.array([position[id(seq)] for seq in self._rows])]
-        return self._decode(self._rows, self._cache, num_ahead=1, inputs=inputs)
+        return decode(self.model, self._rows, self._cache, num_ahead=1, inputs=inputs)
 
     def _keep_rows(self, keep: list[int]) -> None:
         if len(keep) == len(self._rows):

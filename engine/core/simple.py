@@ -3,8 +3,8 @@
 Serialization is structural rather than a lock around `to_thread`: the model's one engine thread
 takes requests from its inbox and runs each to its end before taking the next. A caller that is
 cancelled only queues an abort, which the running generation sees between tokens; the next
-request cannot start until that thread has returned from the current one (FACTS.md: a lock
-released on cancellation let a second MLX thread start while the first still ran).
+request cannot start until that thread has returned from the current one (docs/architecture.md: a
+lock released on cancellation let a second MLX thread start while the first still ran).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ before is likely to continue as it did then. `NgramDrafter` finds the most recen
 occurrence of the sequence's last `n` tokens (the longest `n` from `max_ngram` down to
 `min_ngram`) and proposes the tokens that followed it. The batch runner feeds each row's last
 token and its draft in one forward and keeps the longest prefix of the draft that the model
-would have produced itself (engine/core/runner.py), so a step yields 1 to 1 + len(draft) tokens.
+would have produced itself (engine/core/forward.py), so a step yields 1 to 1 + len(draft) tokens.
 
 Exactness. Each position's token is sampled from the target model's distribution exactly as an
 unspeculated step would sample it (same processing, same counter-based uniform: the draft

@@ -14,7 +14,7 @@ the same bits; a call gathers its positions' rows and rotates, one compiled kern
 test_rope_kernel.py checks it bit for bit).
 
 Positions: the table covers the model's context (`install(model, positions=...)`, from the
-loader), which every request is checked against (engine/protocol.py), and DRAFT_ROOM more. An
+loader), which every request is checked against (engine/protocol/checks.py), and DRAFT_ROOM more. An
 integer offset past the table goes to `mx.fast.rope`; an array offset (a batch's rows, each at
 its own position) cannot be read without waiting for the device, so its positions are clamped
 into the table: only a batch's padding (negative positions, masked) and a speculative step's

@@ -1,7 +1,7 @@
-"""Greedy and seeded output do not depend on what else runs (ARCHITECTURE.md invariants).
+"""Greedy and seeded output do not depend on what else runs (docs/architecture.md, invariants).
 
-Float32 tiny models: a flipped token means a real bug, not rounding (FACTS.md). Each test runs on
-a dense llama and on a hybrid qwen3_next (ArraysCache + KVCache layers).
+Float32 tiny models: a flipped token means a real bug, not rounding (docs/architecture.md). Each
+test runs on a dense llama and on a hybrid qwen3_next (ArraysCache + KVCache layers).
 """
 
 import random
@@ -208,14 +208,15 @@ def test_one_token_prompt_admitted_with_longer_ones_changes_no_row(tiny_model):
 
 
 def test_a_prompts_last_logits_are_projected_alone_and_equal_the_models_own(tiny_model):
-    import engine.core.runner as runner
+    from engine.cache.mlx_caches import make_cache
+    from engine.core.forward import last_logits
 
     model = tiny_model.model
-    forward = runner.last_logits(model)
+    forward = last_logits(model)
     assert forward.__name__ == "split"  # the backbone-then-head path was verified and taken
     tokens = mx.array([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
-    got = forward(tokens, runner.make_cache(model), [4, 2])
-    full = model(tokens, cache=runner.make_cache(model))
+    got = forward(tokens, make_cache(model), [4, 2])
+    full = model(tokens, cache=make_cache(model))
     assert mx.allclose(got[0], full[0, 4], atol=1e-5) and mx.allclose(got[1], full[1, 2], atol=1e-5)
 
 

@@ -1,6 +1,6 @@
 """Greedy output is token-identical with and without a prefix-cache hit: on a dense llama and a
-hybrid qwen3_next (float32, FACTS.md), with chunked prefill forced small, with both, for a
-multi-turn conversation, and through the simple engine. Every warm run also proves it hit."""
+hybrid qwen3_next (float32: docs/architecture.md), with chunked prefill forced small, with both,
+for a multi-turn conversation, and through the simple engine. Every warm run also proves it hit."""
 
 import random
 from dataclasses import replace

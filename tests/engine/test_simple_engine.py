@@ -1,4 +1,4 @@
-"""The serialized engine stays serialized across cancellation (FACTS.md)."""
+"""The serialized engine stays serialized across cancellation (docs/architecture.md)."""
 
 import asyncio
 import threading
