@@ -77,6 +77,20 @@ def show_once_response(request, created: list[tuple[ApiKey, str]], *, title: str
     return response
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """For records the application writes (usage, roll-ups, stored responses): shown, never
+    added, changed or deleted by hand."""
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
 class VisibleTeamFilter(admin.RelatedFieldListFilter):
     """A team filter that lists only the teams the user may see."""
 
@@ -360,7 +374,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
 
 
 @admin.register(ApiKeyMonthlyUsage)
-class ApiKeyMonthlyUsageAdmin(KeySearchMixin, admin.ModelAdmin):
+class ApiKeyMonthlyUsageAdmin(KeySearchMixin, ReadOnlyAdmin):
     list_display = ["month", "api_key", "tokens"]
     list_filter = ["month"]
     search_fields = ["api_key__prefix", "api_key__name"]
@@ -369,12 +383,3 @@ class ApiKeyMonthlyUsageAdmin(KeySearchMixin, admin.ModelAdmin):
     def get_queryset(self, request):
         keys = api_keys_visible_to(user=request.user)
         return super().get_queryset(request).filter(api_key__in=keys)
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False

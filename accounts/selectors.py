@@ -11,7 +11,7 @@ Visibility rules (one place, so the admin, reports and APIs agree):
 import datetime
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
 
@@ -38,6 +38,17 @@ def teams_owned_by(*, user: AbstractBaseUser) -> QuerySet[Team]:
     return Team.objects.filter(
         memberships__user=user, memberships__role=Membership.Role.OWNER
     ).distinct()
+
+
+def teams_for_new_keys(*, user: AbstractBaseUser) -> QuerySet[Team]:
+    """The teams the user may make keys in on their own: those they own, and those whose owners
+    let members make their own keys."""
+    members_allowed = Team.objects.filter(
+        memberships__user=user, memberships__role=Membership.Role.MEMBER, members_manage_keys=True
+    ).values("pk")
+    return Team.objects.filter(
+        Q(pk__in=teams_owned_by(user=user).values("pk")) | Q(pk__in=members_allowed)
+    )
 
 
 def api_keys_visible_to(*, user: AbstractBaseUser) -> QuerySet[ApiKey]:

@@ -1,18 +1,27 @@
-"""Writes for teams, memberships and API keys."""
+"""Writes for teams, memberships and API keys, and the rules for the keys members make
+themselves (the members' pages)."""
 
 from datetime import date, datetime
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
 from accounts import keys
 from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
+from accounts.selectors import teams_for_new_keys, teams_owned_by
 
 # last_used_at is written at most this often per key, so hot keys don't cost a write per request.
 LAST_USED_RESOLUTION_SECONDS = 60
+MEMBER_KEYS_MAX = 10  # active keys a member may hold per team (owners: no cap)
+ERROR_MEMBER_KEYS_MAX = "You have {active} active keys in {team}; revoke one first."
+ERROR_OWNERS_MANAGE_KEYS = "This team's keys are made and revoked by its owners."
+
+
+class MemberKeyRefused(Exception):
+    """A team's rules refuse what a member asked of their own keys; the message says why."""
 
 
 @transaction.atomic
@@ -72,6 +81,63 @@ def api_key_create(
         creation_token=creation_token,
     )
     return api_key, raw_key
+
+
+@transaction.atomic
+def member_key_create(
+    *, user: AbstractBaseUser, team: Team, name: str = "", creation_token: str | None = None
+) -> tuple[ApiKey, str | None]:
+    """A key the user makes for themselves in `team` (one of `teams_for_new_keys`): an owner's
+    has no limits; a member's gets the team's member-key limits and models, and a member holds at
+    most MEMBER_KEYS_MAX active keys in a team. Returns the key and its raw value, or, for a form
+    sent again (its `creation_token` made a key already), that key and None: one key however
+    often the form is sent, even twice at once. Raises MemberKeyRefused."""
+    if creation_token:
+        existing = ApiKey.objects.filter(creation_token=creation_token, user=user).first()
+        if existing is not None:
+            return existing, None
+    if not teams_for_new_keys(user=user).filter(pk=team.pk).exists():
+        raise MemberKeyRefused(ERROR_OWNERS_MANAGE_KEYS)
+    limits = {}
+    if not teams_owned_by(user=user).filter(pk=team.pk).exists():
+        # Under the team's row lock, so that two forms sent at once cannot both pass the cap.
+        team = Team.objects.select_for_update().get(pk=team.pk)
+        active = ApiKey.objects.active().filter(user=user, team=team).count()
+        if active >= MEMBER_KEYS_MAX:
+            raise MemberKeyRefused(ERROR_MEMBER_KEYS_MAX.format(active=active, team=team))
+        limits = {
+            "rpm": team.member_key_rpm,
+            "tpm": team.member_key_tpm,
+            "budget_tokens": team.member_key_budget_tokens,
+            "models": list(team.member_key_models) or None,
+        }
+    try:
+        with transaction.atomic():
+            return api_key_create(
+                user=user,
+                team=team,
+                name=name,
+                created_by=user,
+                creation_token=creation_token,
+                **limits,
+            )
+    except IntegrityError:
+        # The same form sent twice at once: the other request made the key.
+        existing = ApiKey.objects.filter(creation_token=creation_token, user=user).first()
+        if existing is None:
+            raise
+        return existing, None
+
+
+def member_key_revoke(*, user: AbstractBaseUser, key_id: int) -> ApiKey:
+    """Revoke one of the user's own keys, where its team lets members manage their keys (its
+    owners always may). Raises ApiKey.DoesNotExist for a key that is not theirs, and
+    MemberKeyRefused where the team's owners revoke keys."""
+    api_key = ApiKey.objects.select_related("team").get(pk=key_id, user=user)
+    owner = teams_owned_by(user=user).filter(pk=api_key.team_id).exists()
+    if not (owner or api_key.team.members_manage_keys):
+        raise MemberKeyRefused(ERROR_OWNERS_MANAGE_KEYS)
+    return api_key_revoke(api_key=api_key)
 
 
 def api_key_find(*, key_or_prefix: str) -> ApiKey:

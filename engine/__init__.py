@@ -48,6 +48,7 @@ from engine.protocol import (  # noqa: E402
     SamplingParams,
     TokenLogprob,
     TopLogprob,
+    completion_budget,
     validate_generation,
 )
 
@@ -55,7 +56,6 @@ from engine.protocol import (  # noqa: E402
 _LAZY = {
     "LocalEngineClient": "engine.local",
     "EngineWorker": "engine.worker",
-    "Embedders": "engine.models.embeddings",
     "DEFAULT_EMBEDDING_MODEL": "engine.models.embeddings",
     "default_embedding_folder": "engine.models.embeddings",
     "convert_gguf": "engine.models.gguf",
@@ -89,6 +89,7 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
     "TopLogprob",
+    "completion_budget",
     "validate_generation",
     *sorted(_LAZY),
 ]

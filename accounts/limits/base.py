@@ -66,8 +66,8 @@ class RateLimitExceeded(Exception):
 @dataclass
 class Admission:
     """A granted admission. `release` must run exactly once the request ends, after its usage row
-    is finished (inference.services.execution's `Execution._finish` does both); it is idempotent and
-    cannot be interrupted half-way by cancellation."""
+    is finished (the caller's settlement does both); it is idempotent and cannot be interrupted
+    half-way by cancellation."""
 
     headers: dict[str, str]
     granted_tokens: int = 0  # what was reserved: the request's tokens, or less when flexible

@@ -3,11 +3,12 @@
 `EngineLoop` owns the thread (which also loads the model, so only it touches MLX), a thread-safe
 inbox for new requests and aborts, admission (validation and the waiting-queue limit, raised on
 the caller's thread before any work; the request's sampling state, which holds MLX arrays, is
-built later on the engine thread), turning sampled tokens into `GenerationOutput` events, and
-stats. A failure while serving a request ends that request (or, if a step itself fails, the
-running batch) with finish_reason "error" and the loop goes on; if the loop itself dies, the
-engine stops serving and everything it held ends with "error". The engines are in
-engine/core/batched.py (continuous batching) and engine/core/simple.py (serialized).
+built later on the engine thread), turning sampled tokens into `GenerationOutput` events
+(engine/core/outputs.py says what they hold), and stats (engine/core/meter.py). A failure while
+serving a request ends that request (or, if a step itself fails, the running batch) with
+finish_reason "error" and the loop goes on; if the loop itself dies, the engine stops serving and
+everything it held ends with "error". The engines are in engine/core/batched.py (continuous
+batching) and engine/core/simple.py (serialized).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,25 +32,24 @@ from engine.cache.budget import MemoryBudget
 from engine.cache.memory import plan_memory
 from engine.cache.mlx_caches import CacheLayout
 from engine.cache.prefix import PrefixCache
+from engine.core.meter import Meter
+from engine.core.outputs import emit_end, end_queued, token_output
 from engine.core.request import Emit, Request, Sequence
 from engine.core.sampled import Sampled
 from engine.core.sampling import SamplingState
-from engine.core.scheduler import SchedulerOutput
 from engine.models.loader import LoadedModel
 from engine.protocol import (
     EngineOverloadedError,
     EngineStats,
-    GenerationOutput,
     GenerationRequest,
     ModelInfo,
     ModelNotLoadedError,
     ModelSpec,
     RequestStatus,
-    TokenLogprob,
-    TopLogprob,
+    completion_budget,
     validate_generation,
 )
-from engine.text.detokenizer import StreamDetokenizer, token_text
+from engine.text.detokenizer import StreamDetokenizer
 from engine.text.grammar import Grammars
 
 logger = logging.getLogger(__name__)
@@ -58,7 +57,6 @@ logger = logging.getLogger(__name__)
 STOP = object()  # inbox command: end the loop, aborting what is in flight
 DRAIN = object()  # inbox command: end the loop once what is in flight has finished
 CLEAR = object()  # inbox command: empty the prefix cache
-THROUGHPUT_WINDOW_S = 10.0
 
 
 class EngineLoop:
@@ -81,7 +79,7 @@ class EngineLoop:
         self._closing = False  # set by drain or the loop ending: submit refuses from then on
         self._draining = False  # engine thread only
         self.leftover: list = []  # commands taken with a STOP, after it (engine thread only)
-        self._meter = _Meter()
+        self._meter = Meter()
         # Set on the engine thread by `setup_caches`.
         self.layout: CacheLayout | None = None
         self.memory: MemoryBudget | None = None
@@ -198,9 +196,15 @@ class EngineLoop:
         future.set_result(freed)
 
     def check(self, spec: GenerationRequest) -> int:
-        """Validate a request without touching MLX (any thread); return its max_tokens."""
+        """Validate a request without touching MLX (any thread); return its max_tokens. The web
+        side has done both already; they are done again here because a bad token id reaching
+        the device corrupts other requests, and with the same functions, so the two agree."""
         validate_generation(spec, self.info)
-        return spec.sampling.max_tokens or self.info.context_length - len(spec.prompt_token_ids)
+        return completion_budget(
+            num_prompt_tokens=len(spec.prompt_token_ids),
+            context_length=self.info.context_length,
+            max_tokens=spec.sampling.max_tokens,
+        )
 
     def compile_grammar(self, grammar: str) -> None:
         """Compile (and cache) a request's grammar before it is submitted (any thread; it may
@@ -294,55 +298,16 @@ class EngineLoop:
 
     def accept(self, sampled: Sampled) -> None:
         """Record one sampled token: stop checks, text, and the event for the caller."""
-        seq, token = sampled.seq, sampled.token_id
-        request, params = seq.request, seq.sampling_state.params
-        seq.output_token_ids.append(token)
-        seq.sampling_state.append(token)
-        status = None
-        if token in params.stop_token_ids or (
-            token in self.info.eos_token_ids and not params.ignore_eos
-        ):
-            text = ""
-            status = RequestStatus.FINISHED_STOPPED
-        else:
-            text = seq.detokenizer.add(
-                token, match_stop=len(seq.output_token_ids) >= params.min_tokens
-            )
-            if seq.constraint is not None:
-                seq.constraint.accept(token)
-            if seq.detokenizer.stopped or (seq.constraint and seq.constraint.is_complete):
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and len(seq.output_token_ids) >= request.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            text += seq.detokenizer.flush()
-            seq.status = status
-        logprobs = None
-        if params.logprobs:
-            tokenizer = self.loaded.tokenizer
-            top = tuple(TopLogprob(token_text(tokenizer, t), t, lp) for t, lp in sampled.top)
-            logprobs = (TokenLogprob(token_text(tokenizer, token), token, sampled.logprob, top),)
+        output = token_output(sampled, self.info.eos_token_ids, self.loaded.tokenizer)
         self._meter.num_generated_tokens += 1
-        request.emit(
-            GenerationOutput(
-                index=seq.index,
-                text=text,
-                token_ids=(token,),
-                finish_reason=status.finish_reason if status else None,
-                logprobs=logprobs,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens,
-                stop_sequence=seq.detokenizer.matched_stop if status else None,
-                num_generated_tokens=len(seq.output_token_ids) if status else 0,
-            )
-        )
+        sampled.seq.request.emit(output)
 
     @staticmethod
     def finish(request: Request, status: RequestStatus, error: str | None = None) -> None:
         """End every live sequence of a request with `status` and tell the caller."""
         for seq in request.live_sequences():
             seq.status = status
-            _emit_end(
+            emit_end(
                 request.spec, request.emit, seq.index, status, error, len(seq.output_token_ids)
             )
 
@@ -413,74 +378,3 @@ def _wait_until_gone(thread: threading.Thread, timeout: float = 2.0) -> None:
 
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def end_queued(
-    payload: tuple[GenerationRequest, Emit, int], status: RequestStatus, error: str | None
-) -> None:
-    """End every choice of a request that was queued but never built."""
-    spec, emit, _ = payload
-    for index in range(spec.sampling.n):
-        _emit_end(spec, emit, index, status, error)
-
-
-def _emit_end(
-    spec: GenerationRequest,
-    emit: Emit,
-    index: int,
-    status: RequestStatus,
-    error: str | None,
-    num_generated: int = 0,
-) -> None:
-    output = GenerationOutput(
-        index=index,
-        text="",
-        token_ids=(),
-        finish_reason=status.finish_reason,
-        num_prompt_tokens=len(spec.prompt_token_ids),
-        error=error,
-        num_generated_tokens=num_generated,
-    )
-    try:
-        emit(output)
-    except Exception:
-        # The caller's callback failed; the engine must still finish ending everyone else.
-        logger.exception("could not deliver the end of request %s", spec.request_id)
-
-
-class _Meter:
-    """Throughput over a sliding window and a smoothed step time; written by the engine thread."""
-
-    def __init__(self) -> None:
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
-        self._step_time_s = 0.0
-        self._recent: deque[tuple[float, int]] = deque()
-
-    def record_step(self, elapsed_s: float, plan: SchedulerOutput, num_sampled: int) -> None:
-        now = time.monotonic()
-        self.num_steps += 1
-        self.num_prompt_tokens += sum(chunk.num_tokens for chunk in plan.prefill)
-        self._step_time_s = (
-            elapsed_s if self.num_steps == 1 else 0.9 * self._step_time_s + 0.1 * elapsed_s
-        )
-        self._recent.append((now, num_sampled))
-        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._recent.popleft()
-
-    def snapshot(self, model: str, num_waiting: int, num_running: int) -> EngineStats:
-        recent = list(self._recent)
-        tokens_per_second = 0.0
-        if len(recent) > 1 and recent[-1][0] > recent[0][0]:
-            tokens_per_second = sum(n for _, n in recent[1:]) / (recent[-1][0] - recent[0][0])
-        return EngineStats(
-            model=model,
-            num_waiting=num_waiting,
-            num_running=num_running,
-            tokens_per_second=tokens_per_second,
-            step_time_ms=self._step_time_s * 1000.0,
-            num_steps=self.num_steps,
-            num_generated_tokens=self.num_generated_tokens,
-            num_prompt_tokens=self.num_prompt_tokens,
-        )

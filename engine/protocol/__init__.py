@@ -4,10 +4,10 @@ No Django, no MLX: these dataclasses travel in-process and over the Channels lay
 `runengine` workers, so they stay small, immutable where possible, and serialisable
 (`to_dict` / `from_dict`). errors.py: what the engine raises to its callers; models.py: model
 specs, facts and status; generation.py: a generation's request and its outputs; checks.py: the
-one check of a request against its model.
+one check of a request against its model and the one sizing of its completion.
 """
 
-from engine.protocol.checks import validate_generation
+from engine.protocol.checks import completion_budget, validate_generation
 from engine.protocol.errors import (
     EmbeddingLoadError,
     EngineError,
@@ -68,5 +68,6 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
     "TopLogprob",
+    "completion_budget",
     "validate_generation",
 ]

@@ -1,4 +1,5 @@
-"""The one check of a generation request against the model that will run it."""
+"""The one check of a generation request against the model that will run it, and the one
+sizing of its completion."""
 
 from __future__ import annotations
 
@@ -49,3 +50,23 @@ def validate_generation(
             param=prompt_param,
             code="context_length_exceeded",
         )
+
+
+def completion_budget(
+    *,
+    num_prompt_tokens: int,
+    context_length: int,
+    max_tokens: int | None = None,
+    size_limit: int | None = None,
+    grant: int | None = None,
+) -> int:
+    """How many tokens each choice of a request may generate, decided here only: the caller's
+    `max_tokens` as given (`validate_generation` refuses one that does not fit, rather than
+    cutting it); else the rest of the context, at most `size_limit` (the model's or the
+    endpoint's default size); then at most `grant`, the completion tokens admission granted
+    each choice of a request the caller left to the server to size. A prompt that leaves no room
+    is sized to 1, so that validation reports it (context_length_exceeded)."""
+    if max_tokens is None:
+        room = max(context_length - num_prompt_tokens, 1)
+        max_tokens = room if size_limit is None else min(room, size_limit)
+    return max_tokens if grant is None else min(max_tokens, grant)

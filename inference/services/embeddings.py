@@ -1,38 +1,48 @@
 """/v1/embeddings: inputs to vectors for a key, with its limits and a usage row.
 
-In order: the model (one this key may use, and an embedding model), the limits that need no
-token count, tokenizing (or checking given token ids against the vocabulary), each input
-inside the model's context, admission for the tokens, then one batched request to the model's
-embedding engine (concurrent requests share its forwards). The usage row is written once, when
-the request ends, whatever ends it (also a client that leaves).
+In order, through the same way in and out as a generation (inference/services/admission.py,
+settlement.py): the model (one this key may use, and an embedding model), the limits that need
+no token count, tokenizing (or checking given token ids against the vocabulary), each input
+inside the model's context, admission for the tokens, the usage row, then one batched request
+to the model's embedding engine (concurrent requests share its forwards). The row is settled
+once, whatever ends the request (also a client that leaves), and its write retried if the
+database refuses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
-from asgiref.sync import sync_to_async
-from django.utils import timezone
 
-from accounts import limits
 from accounts.models import ApiKey
-from common.request_threads import detach
-from engine import EmbeddingInfo, EmbeddingLoadError
-from inference.errors import APIError, model_not_found
+from engine import (
+    EmbeddingInfo,
+    EngineClient,
+    ModelLoadError,
+    ModelNotLoadedError,
+    ModelUnavailableError,
+)
+from inference.errors import APIError
 from inference.models import ModelEntry, UsageRecord
-from inference.services import metrics
+from inference.services.admission import (
+    model_load_failed,
+    request_admit,
+    request_model,
+    request_precheck,
+)
 from inference.services.engines import get_engine_client
-from inference.services.refusals import admission_refused
-from inference.services.registry import model_for_key, model_spec
-from inference.services.usage import usage_record_finished
+from inference.services.registry import model_spec
 
 logger = logging.getLogger(__name__)
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 ENDPOINT = "embeddings"
+T = TypeVar("T")
 
 
 @dataclass
@@ -51,24 +61,12 @@ async def embeddings_create(
     inputs: list[str] | list[list[int]],
     dimensions: int | None = None,
 ) -> Embeddings:
-    entry = await sync_to_async(model_for_key)(api_key, model)
-    if entry is None:
-        raise model_not_found(model)
-    if entry.kind != ModelEntry.Kind.EMBEDDING:
-        raise APIError(
-            400,
-            f"The model '{entry.name}' is not an embedding model; use it with "
-            "/v1/chat/completions.",
-            param="model",
-        )
+    entry = await request_model(api_key=api_key, name=model, kind=ModelEntry.Kind.EMBEDDING)
     if len(inputs) > MAX_INPUTS:
         raise APIError(400, f"'input' takes at most {MAX_INPUTS} items.", param="input")
-    try:
-        await limits.precheck(api_key)
-    except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
-        raise await admission_refused(
-            exc, request_id=request_id, api_key=api_key, model=entry.name, endpoint=ENDPOINT
-        ) from None
+    await request_precheck(
+        api_key=api_key, request_id=request_id, model=entry.name, endpoint=ENDPOINT
+    )
     client = get_engine_client()
     info = await _serving(client, entry)
     if dimensions is not None and dimensions != info.dimensions:
@@ -79,58 +77,57 @@ async def embeddings_create(
             param="dimensions",
         )
     if isinstance(inputs[0], str):
-        token_ids = await client.tokenize(entry.name, inputs)
+        token_ids = await _on_engine(client.tokenize(entry.name, inputs), entry.name)
     else:
         token_ids = inputs
     _check(token_ids, info)
     num_tokens = sum(len(ids) for ids in token_ids)
+    settlement = await request_admit(
+        api_key=api_key,
+        request_id=request_id,
+        model=entry.name,
+        endpoint=ENDPOINT,
+        reserved_tokens=num_tokens,
+    )
+    status, error_code = UsageRecord.Status.FAILED, "server_error"
     try:
-        admission = await limits.admit(api_key, reserved_tokens=num_tokens)
-    except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
-        raise await admission_refused(
-            exc, request_id=request_id, api_key=api_key, model=entry.name, endpoint=ENDPOINT
-        ) from None
-    started_at = timezone.now()
-    status, error_code = UsageRecord.Status.CANCELLED, "client_disconnected"
-    try:
-        vectors = await client.embed(entry.name, token_ids)
+        await settlement.open()
+        vectors = await _on_engine(client.embed(entry.name, token_ids), entry.name)
+        settlement.usage.prompt_tokens = num_tokens  # billed: the client gets its vectors
         status, error_code = UsageRecord.Status.COMPLETED, ""
     except asyncio.CancelledError:
+        status, error_code = UsageRecord.Status.CANCELLED, "client_disconnected"
         raise
-    except Exception:
-        logger.exception("embedding %d inputs with %s failed", len(token_ids), entry.name)
+    except APIError:
         status, error_code = UsageRecord.Status.FAILED, "engine_error"
-        raise APIError(500, "The embedding model failed on this request.") from None
+        raise
     finally:
-        used = num_tokens if status == UsageRecord.Status.COMPLETED else 0  # what it got
-        detach(
-            _settle(
-                admission, request_id, api_key, entry.name, status, error_code, used, started_at
-            )
-        )
-        metrics.request_finished(
-            endpoint=ENDPOINT,
-            model=entry.name,
-            status=status,
-            prompt_tokens=used,
-            cached_tokens=0,
-            completion_tokens=0,
-            time_to_first_token_ms=None,
-        )
-    return Embeddings(entry.name, vectors, num_tokens, dict(admission.headers))
+        await settlement.settle(status, error_code=error_code)
+    return Embeddings(entry.name, vectors, num_tokens, settlement.headers)
 
 
-async def _serving(client, entry: ModelEntry) -> EmbeddingInfo:
+async def _on_engine(work: Awaitable[T], model: str) -> T:
+    """`work` on the model's engine: 503 when nothing serves the model now (its engine worker
+    stopped mid-call, say: a retry may find another), 500 when the model fails on it."""
+    try:
+        return await work
+    except (ModelNotLoadedError, ModelUnavailableError) as exc:
+        logger.warning("embedding model %s: %s", model, exc)
+        raise APIError(503, str(exc), code=exc.code) from None
+    except Exception:
+        logger.exception("embedding with %s failed", model)
+        raise APIError(500, "The embedding model failed on this request.") from None
+
+
+async def _serving(client: EngineClient, entry: ModelEntry) -> EmbeddingInfo:
     try:
         return await client.embedding_model(model_spec(entry))
-    except EmbeddingLoadError as exc:
+    except ModelUnavailableError as exc:
+        logger.warning("embedding model %s: %s", entry.name, exc)
+        raise APIError(503, str(exc), code=exc.code) from None
+    except ModelLoadError as exc:
         logger.error("embedding model %s could not be loaded: %s", entry.name, exc)
-        raise APIError(
-            503,
-            f"The model '{entry.name}' could not be loaded; an administrator must check its "
-            "registry entry.",
-            code="model_load_failed",
-        ) from None
+        raise model_load_failed(entry) from None
 
 
 def _check(token_ids: list[list[int]], info: EmbeddingInfo) -> None:
@@ -153,24 +150,3 @@ def _check(token_ids: list[list[int]], info: EmbeddingInfo) -> None:
                 f"{info.vocab_size - 1}).",
                 param="input",
             )
-
-
-async def _settle(admission, request_id, api_key, model, status, error_code, used, started_at):
-    """The usage row and the limiter's release, after the request, whatever ended it."""
-    try:
-        await sync_to_async(usage_record_finished)(
-            request_id=request_id,
-            api_key=api_key,
-            model=model,
-            endpoint=ENDPOINT,
-            status=status,
-            started_at=started_at,
-            prompt_tokens=used,
-            error_code=error_code,
-        )
-    except Exception:
-        logger.exception("usage row of %s not written", request_id)
-    try:
-        await admission.release(used_tokens=used)
-    except Exception:
-        logger.exception("limiter release of %s failed", request_id)

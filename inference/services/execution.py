@@ -1,31 +1,23 @@
-"""One execution of engine requests for a /v1 call: admission, usage row, engine streams.
+"""One execution of engine requests for an admitted /v1 call: its usage row and engine streams.
 
-`Execution.start()` admits the request (limits), opens its usage row and starts the engine streams;
-errors up to the first output become proper HTTP errors. `outputs()` yields engine outputs in
-arrival order; a non-streamed response is just this stream aggregated. Whatever happens (finished,
-client gone, engine error, a cancellation before the body was ever read), `finish()` runs exactly
-once and never raises: it closes the engine streams (which aborts what is still running), finishes
-the usage row with the tokens the client actually received (retried in the background if the
-database refuses, never lost) and releases the limiter reservation.
+`Execution.start()` opens the call's usage row (through the `Settlement` admission handed it)
+and starts the engine streams; errors up to the first output become proper HTTP errors.
+`outputs()` yields engine outputs in arrival order and counts what the client receives into the
+settlement's usage; a non-streamed response is just this stream aggregated. Whatever happens
+(finished, client gone, engine error, a cancellation before the body was ever read), `finish()`
+runs exactly once and never raises: it closes the engine streams (which aborts what is still
+running), then settles the usage row and the limiter reservation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from asgiref.sync import sync_to_async
-from django.utils import timezone
-
-from accounts import limits
-from accounts.models import ApiKey
 from common.request_threads import detach
 from engine import (
     EngineError,
@@ -39,68 +31,13 @@ from engine import (
 from inference.errors import APIError
 from inference.models import UsageRecord
 from inference.services import metrics
-from inference.services.engines import after_engines_stop, get_engine_client
+from inference.services.engines import get_engine_client
 from inference.services.output import FAILURE_CODES
-from inference.services.refusals import admission_refused
-from inference.services.usage import usage_finish, usage_open
+from inference.services.settlement import Settlement
 
 logger = logging.getLogger(__name__)
 
 ERROR_RELOADING = "The model is being reloaded; please retry shortly."
-# The response waits this long for its usage row; a slower write (a busy database) finishes in
-# the background. A write the database refuses is retried after each of these delays, then
-# every minute for as long as a request may live (PARALLEL_LEASE_SECONDS); after that the row
-# stays in progress for the start-up sweep.
-USAGE_WRITE_WAIT_S = 2.0
-USAGE_RETRY_DELAYS_S = (0.5, 1, 2, 5, 10, 30)
-USAGE_RETRY_FOR_S = limits.PARALLEL_LEASE_SECONDS
-ERROR_SERVER_SHUTDOWN = "server_shutdown"
-
-# Executions whose usage row is open, for `finish_open_executions` when the process exits.
-_open_executions: weakref.WeakValueDictionary[int, Execution] = weakref.WeakValueDictionary()
-
-
-def finish_open_executions() -> int:
-    """At process exit (after the server has stopped its event loop): finish every usage row
-    still open as failed (`server_shutdown`) with the tokens counted so far, synchronously.
-    Their clients' connections were closed by the server's shutdown; no row stays open for the
-    next start's sweep. Returns how many rows this finished."""
-    finished = 0
-    for execution in list(_open_executions.values()):
-        if execution._usage_id is None:
-            continue
-        try:
-            finished += usage_finish(
-                record_id=execution._usage_id,
-                status=UsageRecord.Status.FAILED,
-                prompt_tokens=execution.num_prompt_tokens,
-                cached_tokens=execution.num_cached_tokens,
-                completion_tokens=execution.num_completion_tokens,
-                time_to_first_token_ms=execution._first_token_ms,
-                error_code=ERROR_SERVER_SHUTDOWN,
-            )
-        except Exception:
-            logger.exception("usage row of %s left open at exit", execution.request_id)
-    return finished
-
-
-def _finish_open_rows() -> None:
-    count = finish_open_executions()
-    if count:
-        logger.info("finished %d usage row(s) of requests cut off by the shutdown", count)
-
-
-after_engines_stop(_finish_open_rows)
-
-
-async def _outlast_cancellation(future: asyncio.Future):
-    """`future`'s result, waiting for it even if this task is cancelled again meanwhile."""
-    while True:
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            if future.done():
-                return future.result()
 
 
 def _start_error(exc: BaseException, name: Callable[[str | None], str | None]) -> BaseException:
@@ -129,102 +66,60 @@ class ChoiceOutput:
     output: GenerationOutput
 
 
+def _ended_by(exc: BaseException) -> tuple[str, str]:
+    """The usage status and error code of a start that `exc` ended."""
+    if isinstance(exc, asyncio.CancelledError):
+        return UsageRecord.Status.CANCELLED, "client_disconnected"
+    return UsageRecord.Status.FAILED, getattr(exc, "code", "") or ""
+
+
 @dataclass
 class Execution:
-    """`flexible`: the caller fixed no max_tokens, so admission may grant fewer tokens than
-    `reserved_tokens` (what the tpm window and budget have left); the requests' max_tokens are
-    then cut to fit, and those generations end with finish_reason "length" there."""
+    """The engine side of an admitted call: `requests` (sized to what admission granted)
+    run under `settlement`, which counts the tokens the client receives."""
 
-    api_key: ApiKey
-    model: str
-    endpoint: str
-    request_id: str
+    settlement: Settlement
     requests: list[GenerationRequest]
-    flexible: bool = False
     param_name: Callable[[str | None], str | None] = lambda param: param
-    headers: dict[str, str] = field(default_factory=dict)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_completion_tokens: int = 0
-    _admission: limits.Admission | None = None
-    _usage_id: int | None = None
     _streams: list[AsyncIterator[GenerationOutput]] = field(default_factory=list)
     _pumps: list[asyncio.Task] = field(default_factory=list)  # reading several streams at once
     _primed: list[GenerationOutput | None] = field(default_factory=list)
-    _open_choices: list[int] = field(default_factory=list)
     _started_at: float = field(default_factory=time.monotonic)
-    _first_token_ms: int | None = None
     _last_token_at: dict[int, float] = field(default_factory=dict)  # per choice, for metrics
     _choice_tokens: dict[int, int] = field(default_factory=dict)
-    _finished: bool = False
-    _finish_task: asyncio.Task | None = None
     _failure: str | None = None  # set by `fail`: the response broke outside the engine
 
     def __post_init__(self) -> None:
-        self.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
-        self._open_choices = [r.sampling.n for r in self.requests]
+        self.settlement.usage.prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def model(self) -> str:
+        return self.settlement.model
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.settlement.headers
 
     @property
     def num_choices(self) -> int:
         return sum(r.sampling.n for r in self.requests)
 
     @property
-    def reserved_tokens(self) -> int:
-        return self.num_prompt_tokens + sum(
-            (r.sampling.max_tokens or 0) * r.sampling.n for r in self.requests
-        )
-
-    @property
     def choices_per_request(self) -> int:
         return self.requests[0].sampling.n
 
     async def start(self) -> None:
-        try:
-            self._admission = await limits.admit(
-                self.api_key,
-                reserved_tokens=self.reserved_tokens,
-                min_tokens=self.num_prompt_tokens + self.num_choices if self.flexible else None,
-            )
-        except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
-            raise await admission_refused(
-                exc,
-                request_id=self.request_id,
-                api_key=self.api_key,
-                model=self.model,
-                endpoint=self.endpoint,
-            ) from None
-        if self.flexible and self._admission.granted_tokens < self.reserved_tokens:
-            self._fit_to(self._admission.granted_tokens)
-        self.headers = dict(self._admission.headers)
-        opening = asyncio.ensure_future(
-            sync_to_async(usage_open)(
-                request_id=self.request_id,
-                api_key=self.api_key,
-                model=self.model,
-                endpoint=self.endpoint,
-                reserved_tokens=self.reserved_tokens,
-            )
-        )
         # The engine starts on the prompt while the row is written: the first token does not
         # wait for the database.
         starting = asyncio.ensure_future(self._start_streams())
         try:
-            record = await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            # The client left while the row was being written: the write goes on in its thread,
-            # so wait for it and finish the row as cancelled rather than leave it open.
-            await self._abandon(starting)
-            try:
-                self._usage_id = (await _outlast_cancellation(opening)).pk
-            finally:
-                await self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected")
+            await self.settlement.open()
+        except BaseException as exc:
+            starting.cancel()  # finish() closes the streams it opened, aborting their requests
+            await asyncio.gather(starting, return_exceptions=True)
+            status, error_code = _ended_by(exc)
+            await self.finish(status, error_code=error_code)
             raise
-        except BaseException:
-            await self._abandon(starting)
-            await asyncio.shield(self._release(used_tokens=0))
-            raise
-        self._usage_id = record.pk
-        _open_executions[id(self)] = self
         # If the request task ends by any route that skips outputs() (a cancellation between
         # returning the response and reading its body, say), finish() still runs.
         task = asyncio.current_task()
@@ -233,40 +128,12 @@ class Execution:
         try:
             await starting
         except BaseException as exc:
-            status = (
-                UsageRecord.Status.CANCELLED
-                if isinstance(exc, asyncio.CancelledError)
-                else UsageRecord.Status.FAILED
-            )
-            await self.finish(status, error_code=getattr(exc, "code", "") or "")
+            status, error_code = _ended_by(exc)
+            await self.finish(status, error_code=error_code)
             error = _start_error(exc, self.param_name)
             if error is exc:
                 raise
             raise error from None
-
-    async def _abandon(self, starting: asyncio.Future) -> None:
-        """Stop the engine streams of a start that cannot go on (aborting their requests)."""
-        starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
-        for stream in self._streams:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
-
-    def _fit_to(self, granted: int) -> None:
-        """Share a smaller grant out as the completion tokens of every choice (each gets at
-        least one: admission granted the prompt plus one per choice)."""
-        per_choice = (granted - self.num_prompt_tokens) // self.num_choices
-        self.requests = [
-            dataclasses.replace(
-                request,
-                sampling=dataclasses.replace(
-                    request.sampling,
-                    max_tokens=min(request.sampling.max_tokens, per_choice),
-                    min_tokens=min(request.sampling.min_tokens, per_choice),
-                ),
-            )
-            for request in self.requests
-        ]
 
     async def _start_streams(self) -> None:
         """Submit every request (several prompts are queued together, so they can prefill
@@ -320,32 +187,30 @@ class Execution:
         self._failure = error_code
 
     def _account(self, choice: int, output: GenerationOutput) -> None:
-        now = time.monotonic()
-        if output.token_ids and self._first_token_ms is None:
-            self._first_token_ms = int((now - self._started_at) * 1000)
+        now, usage = time.monotonic(), self.settlement.usage
+        if output.token_ids and usage.time_to_first_token_ms is None:
+            usage.time_to_first_token_ms = int((now - self._started_at) * 1000)
         if output.token_ids:
             last = self._last_token_at.get(choice)
             if last is not None:
                 gap = (now - last) / len(output.token_ids)
                 metrics.inter_token(self.model, gap, len(output.token_ids))
             self._last_token_at[choice] = now
-        self.num_completion_tokens += len(output.token_ids)
+        usage.completion_tokens += len(output.token_ids)
         received = self._choice_tokens.get(choice, 0) + len(output.token_ids)
         self._choice_tokens[choice] = received
         if output.finish_reason is not None and output.num_generated_tokens > received:
             # Events lost on the way from a remote worker: bill what the engine generated.
-            self.num_completion_tokens += output.num_generated_tokens - received
+            usage.completion_tokens += output.num_generated_tokens - received
 
     async def _merged(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
         counted: set[int] = set()
 
         def note_prompt(index: int, output: GenerationOutput) -> None:
-            if output.finish_reason is not None:
-                self._open_choices[index] -= 1
             # n choices share one prompt: its cached tokens count once, as OpenAI counts them.
             if index not in counted and output.num_prompt_tokens:
                 counted.add(index)
-                self.num_cached_tokens += output.num_cached_tokens
+                self.settlement.usage.cached_tokens += output.num_cached_tokens
 
         if len(self._streams) == 1:
             first = self._primed[0]
@@ -395,30 +260,14 @@ class Execution:
         await asyncio.gather(*pumps, return_exceptions=True)
 
     def _on_request_task_done(self, _task: asyncio.Task) -> None:
-        if not self._finished:
-            self._finish_task = detach(
-                self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected")
-            )
+        if not self.settlement.settled:
+            detach(self.finish(UsageRecord.Status.CANCELLED, error_code="client_disconnected"))
 
     async def finish(self, status: str, *, error_code: str = "") -> None:
         """End the execution once: never raises (it runs at the end of every response)."""
-        if self._finished:
-            return
-        self._finished = True
-        # Detached and shielded: neither a cancellation of the request task nor the request
-        # ending (its sync thread goes back to the pool) may skip the accounting.
-        await asyncio.shield(detach(self._finish(status, error_code)))
+        await self.settlement.settle(status, error_code=error_code, stop=self._close_streams)
 
-    async def _finish(self, status: str, error_code: str) -> None:
-        metrics.request_finished(
-            endpoint=self.endpoint,
-            model=self.model,
-            status=status,
-            prompt_tokens=self.num_prompt_tokens,
-            cached_tokens=self.num_cached_tokens,
-            completion_tokens=self.num_completion_tokens,
-            time_to_first_token_ms=self._first_token_ms,
-        )
+    async def _close_streams(self) -> None:
         # The request task may end (a client gone while a chunk was being sent) with the
         # outputs still suspended mid-stream: stop their readers first. Then closing a stream
         # that is still open aborts its request in the engine (once).
@@ -429,70 +278,15 @@ class Execution:
                 try:
                     await aclose()
                 except Exception:
-                    logger.exception("closing an engine stream of %s failed", self.request_id)
-        # The usage row first: a limiter re-seeding its budget from the database in between
-        # then counts this request twice (safe) rather than not at all.
-        if self._usage_id is not None:
-            await self._finish_usage(
-                functools.partial(
-                    usage_finish,
-                    record_id=self._usage_id,
-                    status=status,
-                    prompt_tokens=self.num_prompt_tokens,
-                    cached_tokens=self.num_cached_tokens,
-                    completion_tokens=self.num_completion_tokens,
-                    time_to_first_token_ms=self._first_token_ms,
-                    error_code=error_code,
-                    finished_at=timezone.now(),
-                )
-            )
-        await self._release(used_tokens=self.num_prompt_tokens + self.num_completion_tokens)
-        _open_executions.pop(id(self), None)
-
-    async def _finish_usage(self, write: Callable[[], bool]) -> None:
-        """Finish the row (writing it twice is safe: a finished row is left alone)."""
-        first = asyncio.ensure_future(sync_to_async(write)())
-        try:
-            await asyncio.wait_for(asyncio.shield(first), USAGE_WRITE_WAIT_S)
-            return
-        except TimeoutError:
-            logger.warning("usage row of %s is slow to write; finishing it later", self.request_id)
-        except Exception:
-            logger.exception("usage row of %s not finished; retrying", self.request_id)
-        detach(_retry_usage(first, write, self.request_id))
-
-    async def _release(self, *, used_tokens: int) -> None:
-        if self._admission is None:
-            return
-        try:
-            await self._admission.release(used_tokens=used_tokens)
-        except Exception:
-            # The reservation lapses on its own (tpm window, parallel lease).
-            logger.exception("limiter release of %s failed", self.request_id)
+                    logger.exception(
+                        "closing an engine stream of %s failed", self.settlement.request_id
+                    )
 
     def usage(self) -> dict:
+        usage = self.settlement.usage
         return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": self.num_completion_tokens,
-            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         }
-
-
-async def _retry_usage(first: asyncio.Future, write: Callable[[], bool], request_id: str) -> None:
-    try:
-        await first  # a slow first write may still succeed
-        return
-    except Exception:
-        pass
-    deadline = time.monotonic() + USAGE_RETRY_FOR_S
-    delays = iter(USAGE_RETRY_DELAYS_S)
-    while time.monotonic() < deadline:
-        await asyncio.sleep(next(delays, 60))
-        try:
-            await sync_to_async(write)()
-            logger.info("usage row of %s finished on a retry", request_id)
-            return
-        except Exception as exc:
-            logger.warning("usage row of %s still not finished: %s", request_id, exc)
-    logger.error("usage row of %s left in progress for the start-up sweep", request_id)

@@ -4,16 +4,18 @@ An endpoint reads its body into a `GenerationCall` (which model, which prompts, 
 fields the caller set) and calls `generation_start`; everything between that and a running
 generation happens here, once, in this order:
 
-1. the model: one this key may use (404 otherwise) and the engine serving it (never waiting for
-   a reload; 503 if it cannot load);
+1. the model: one this key may use, a chat model (inference/services/admission.py), and the
+   engine serving it (never waiting for a reload; 503 if it cannot load);
 2. the limits that need no token count (rpm, parallel slots, an exhausted budget or tpm
    window): a refused request costs no template render;
 3. rendering (chat template under a time limit, or the tokenizer);
 4. the sampling parameters: the caller's fields over the model's registry defaults, max_tokens
-   resolved against the context;
-5. validation, once, by `engine.protocol.validate_generation` (token ids, ranges, context);
-6. admission (reserving tokens, fewer when the caller left max_tokens to the server), the usage
-   row and the engine streams (`Execution`).
+   sized by `engine.completion_budget` (`Sizing`);
+5. validation by `engine.validate_generation` (token ids, ranges, context), the check the
+   engine repeats at submit;
+6. admission (reserving tokens; fewer when the caller left max_tokens to the server, and the
+   requests are sized again within the grant), then the usage row and the engine streams
+   (`Execution`), settled once whatever ends them.
 
 What comes back is a `Generation`: its `deltas()` run each choice through the output stage
 (inference/services/output.py), and the endpoint only formats them.
@@ -30,10 +32,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from accounts import limits
 from accounts.models import ApiKey
 from engine import (
     GenerationRequest,
@@ -45,16 +45,22 @@ from engine import (
     PromptInput,
     RenderedPrompt,
     SamplingParams,
+    completion_budget,
     validate_generation,
 )
-from inference.errors import APIError, model_not_found
+from inference.errors import APIError
 from inference.models import SAMPLING_DEFAULT_FIELDS, ModelEntry
 from inference.parsers.registry import OutputParsing, detect_reasoning_parser, detect_tool_parser
+from inference.services.admission import (
+    model_load_failed,
+    request_admit,
+    request_model,
+    request_precheck,
+)
 from inference.services.engines import get_engine_client
 from inference.services.execution import ERROR_RELOADING, Execution
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
-from inference.services.refusals import admission_refused
-from inference.services.registry import model_for_key, model_spec
+from inference.services.registry import model_spec
 from inference.services.structured import tool_call_grammar
 
 logger = logging.getLogger(__name__)
@@ -157,16 +163,10 @@ class Generation:
 async def generation_start(*, api_key: ApiKey, request_id: str, call: GenerationCall) -> Generation:
     """Run `call` for `api_key` (steps in the module docstring). Raises APIError for anything
     the caller can fix or should retry; nothing is reserved or left open when it does."""
-    entry = await sync_to_async(model_for_key)(api_key, call.model)
-    if entry is None:
-        raise model_not_found(call.model)
-    _chat_model(entry)
-    try:
-        await limits.precheck(api_key)
-    except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
-        raise await admission_refused(
-            exc, request_id=request_id, api_key=api_key, model=entry.name, endpoint=call.endpoint
-        ) from None
+    entry = await request_model(api_key=api_key, name=call.model, kind=ModelEntry.Kind.CHAT)
+    await request_precheck(
+        api_key=api_key, request_id=request_id, model=entry.name, endpoint=call.endpoint
+    )
     info = await _serving_model(entry)
     sampling, size_limit = _sampling(call, entry)
     if len(call.prompts) * sampling.n > MAX_CHOICES_PER_CALL:
@@ -185,20 +185,13 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
         sampling = dataclasses.replace(
             sampling, grammar=_tool_grammar(call, sampling, parsing, info)
         )
-    requests = []
-    for index, rendered in enumerate(prompts):
-        request = GenerationRequest(
-            request_id if len(prompts) == 1 else f"{request_id}-{index}",
-            entry.name,
-            rendered.token_ids,
-            _fit_to_context(sampling, size_limit, len(rendered.token_ids), info),
-            rendered.checkpoints,
-        )
+    sized = Sizing(request_id, entry.name, prompts, sampling, size_limit, info)
+    requests = sized.requests()
+    for request in requests:
         try:
             validate_generation(request, info, prompt_param=call.prompt_param)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param=call.name(exc.param), code=exc.code) from None
-        requests.append(request)
     prompt_texts = None
     if call.echo:
         prompt_texts = [
@@ -207,26 +200,82 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
             else await _detokenize(entry.name, list(rendered.token_ids))
             for prompt, rendered in zip(call.prompts, prompts, strict=True)
         ]
-    execution = Execution(
+    reserved = sized.reserved_tokens(requests)
+    settlement = await request_admit(
         api_key=api_key,
+        request_id=request_id,
         model=entry.name,
         endpoint=call.endpoint,
-        request_id=request_id,
-        requests=requests,
-        flexible=sampling.max_tokens is None,
-        param_name=call.name,
+        reserved_tokens=reserved,
+        min_tokens=sized.least_tokens if sized.flexible else None,
     )
+    if settlement.granted_tokens < reserved:
+        requests = sized.requests(granted=settlement.granted_tokens)
+    execution = Execution(settlement, requests, param_name=call.name)
     await execution.start()
     return Generation(execution, entry, prompt_texts, parsing)
 
 
-def _chat_model(entry: ModelEntry) -> None:
-    if entry.kind != ModelEntry.Kind.CHAT:
-        raise APIError(
-            400,
-            f"The model '{entry.name}' is an embedding model; use /v1/embeddings.",
-            param="model",
-        )
+@dataclass(frozen=True)
+class Sizing:
+    """The engine requests of a call, their max_tokens decided by `completion_budget`: from the
+    caller's max_tokens, else the rest of each prompt's context up to `size_limit`; and, for a
+    flexible call (the caller left the size to the server), within what admission granted."""
+
+    request_id: str
+    model: str
+    prompts: list[RenderedPrompt]
+    sampling: SamplingParams
+    size_limit: int | None
+    info: ModelInfo
+
+    @property
+    def flexible(self) -> bool:
+        return self.sampling.max_tokens is None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(prompt.token_ids) for prompt in self.prompts)
+
+    @property
+    def least_tokens(self) -> int:
+        """The smallest grant a flexible call can run with: its prompts and a token a choice."""
+        return self.num_prompt_tokens + len(self.prompts) * self.sampling.n
+
+    def reserved_tokens(self, requests: list[GenerationRequest]) -> int:
+        return self.num_prompt_tokens + sum(r.sampling.max_tokens * r.sampling.n for r in requests)
+
+    def requests(self, *, granted: int | None = None) -> list[GenerationRequest]:
+        """With `granted` (admission's grant for the whole call: its prompts and every choice's
+        completion), each choice gets an equal share of what the prompts leave, at least one
+        token: admission granted `least_tokens`."""
+        grant = None
+        if granted is not None:
+            grant = (granted - self.num_prompt_tokens) // (len(self.prompts) * self.sampling.n)
+        requests = []
+        for index, rendered in enumerate(self.prompts):
+            max_tokens = completion_budget(
+                num_prompt_tokens=len(rendered.token_ids),
+                context_length=self.info.context_length,
+                max_tokens=self.sampling.max_tokens,
+                size_limit=self.size_limit,
+                grant=grant,
+            )
+            min_tokens = self.sampling.min_tokens
+            if grant is not None:
+                min_tokens = min(min_tokens, max_tokens)
+            requests.append(
+                GenerationRequest(
+                    self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}",
+                    self.model,
+                    rendered.token_ids,
+                    dataclasses.replace(
+                        self.sampling, max_tokens=max_tokens, min_tokens=min_tokens
+                    ),
+                    rendered.checkpoints,
+                )
+            )
+        return requests
 
 
 def _tool_grammar(
@@ -264,16 +313,11 @@ def _tool_grammar(
 async def prompt_token_count(*, api_key: ApiKey, request_id: str, call: GenerationCall) -> int:
     """How many tokens `call`'s (one) prompt renders to for its model: nothing is generated,
     reserved or metered."""
-    entry = await sync_to_async(model_for_key)(api_key, call.model)
-    if entry is None:
-        raise model_not_found(call.model)
-    _chat_model(entry)
-    try:
-        await limits.precheck(api_key)  # counting is free, but not for a key over its limits
-    except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
-        raise await admission_refused(
-            exc, request_id=request_id, api_key=api_key, model=entry.name, endpoint=call.endpoint
-        ) from None
+    entry = await request_model(api_key=api_key, name=call.model, kind=ModelEntry.Kind.CHAT)
+    # Counting is free, but not for a key over its limits.
+    await request_precheck(
+        api_key=api_key, request_id=request_id, model=entry.name, endpoint=call.endpoint
+    )
     await _serving_model(entry)
     async with _render_slot(api_key):
         rendered = await _render(entry.name, call.prompts[0], call.prompt_param)
@@ -314,12 +358,7 @@ async def _serving_model(entry: ModelEntry) -> ModelInfo:
     except Exception as exc:
         if not isinstance(exc, ModelLoadError):
             logger.exception("loading model %s from %s failed", entry.name, entry.path)
-        raise APIError(
-            503,
-            f"The model '{entry.name}' could not be loaded; an administrator must check its "
-            "registry entry.",
-            code=ModelLoadError.code,
-        ) from None
+        raise model_load_failed(entry) from None
 
 
 async def _render(model: str, prompt: PromptInput, param: str) -> RenderedPrompt:
@@ -347,7 +386,7 @@ def _sampling(call: GenerationCall, entry: ModelEntry) -> tuple[SamplingParams, 
     """The caller's fields over the model's defaults (the registry validated those), and, when
     the caller left max_tokens to the server, the most it may be (the model's default, else
     the endpoint's; None: the rest of the context). max_tokens stays None then: the server
-    sizes the request (`_fit_to_context`) and admission may grant less (a flexible request)."""
+    sizes the request (`Sizing`) and admission may grant less (a flexible request)."""
     values = {name: value for name, value in call.sampling.items() if value is not None}
     for name, kind in SAMPLING_DEFAULT_FIELDS.items():
         if name not in values and name in entry.default_sampling and name != "max_tokens":
@@ -355,19 +394,7 @@ def _sampling(call: GenerationCall, entry: ModelEntry) -> tuple[SamplingParams, 
     size_limit = None
     if "max_tokens" not in values:
         size_limit = entry.default_sampling.get("max_tokens", call.default_max_tokens)
-    return SamplingParams(**values), size_limit
-
-
-def _fit_to_context(
-    sampling: SamplingParams, size_limit: int | None, num_prompt: int, info: ModelInfo
-) -> SamplingParams:
-    """A size the server decides: the rest of the context, at most `size_limit` (validation
-    reports a prompt that leaves no room)."""
-    room = info.context_length - num_prompt
-    if sampling.max_tokens is not None or room < 1:
-        return sampling
-    max_tokens = room if size_limit is None else min(room, int(size_limit))
-    return dataclasses.replace(sampling, max_tokens=max_tokens)
+    return SamplingParams(**values), None if size_limit is None else int(size_limit)
 
 
 class _RenderSlots:

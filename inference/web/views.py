@@ -18,16 +18,14 @@ from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.cache import cache
-from django.db import IntegrityError
-from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_http_methods
 
-from accounts.models import ApiKey, Membership, Team
-from accounts.selectors import teams_owned_by
-from accounts.services import api_key_create, api_key_revoke
+from accounts.models import ApiKey, Team
+from accounts.selectors import teams_for_new_keys, teams_owned_by
+from accounts.services import MemberKeyRefused, member_key_create, member_key_revoke
 from engine import folder_context_length
 from inference.models import ModelEntry
 from inference.services import reports
@@ -38,7 +36,6 @@ LOGIN_ATTEMPTS = 5  # failed sign-ins per username and address ...
 LOGIN_WINDOW_S = 15 * 60  # ... within this many seconds, then refused until it passes
 REPORT_GROUPS = ["day", "model", "key", "member"]
 EARLIEST, LATEST = datetime.date(2000, 1, 1), datetime.date(9000, 1, 1)  # what a range may span
-MEMBER_KEYS_MAX = 10  # active keys a member may hold per team (owners: no cap)
 
 
 def home(request: HttpRequest) -> HttpResponse:
@@ -84,68 +81,41 @@ class KeyForm(forms.Form):
         self.fields["team"].queryset = teams
 
 
-def _teams_for_new_keys(user):
-    owned = teams_owned_by(user=user).values("pk")
-    allowed = Team.objects.filter(
-        memberships__user=user, memberships__role=Membership.Role.MEMBER, members_manage_keys=True
-    ).values("pk")
-    return Team.objects.filter(Q(pk__in=owned) | Q(pk__in=allowed))
-
-
 @login_required
 @require_http_methods(["GET", "POST"])
 def keys(request: HttpRequest) -> HttpResponse:
-    teams = _teams_for_new_keys(request.user)
+    teams = teams_for_new_keys(user=request.user)
     form = KeyForm(teams=teams)
     created_key = None
     if request.method == "POST" and request.POST.get("action") == "create":
         form = KeyForm(request.POST, teams=teams)
         token = request.POST.get("creation_token") or ""
         token = token if re.fullmatch(r"[0-9a-f]{32}", token) else None  # the form's own
-        existing = ApiKey.objects.filter(creation_token=token).first() if token else None
-        if existing is not None:  # the same form sent again: no second key
-            messages.info(request, f"That key was already created ({existing.prefix}…).")
-            return redirect("web-keys")
         if form.is_valid():
-            team = form.cleaned_data["team"]
-            owner = teams_owned_by(user=request.user).filter(pk=team.pk).exists()
-            limits = (
-                {}
-                if owner
-                else {
-                    "rpm": team.member_key_rpm,
-                    "tpm": team.member_key_tpm,
-                    "budget_tokens": team.member_key_budget_tokens,
-                    "models": list(team.member_key_models) or None,
-                }
-            )
-            active = ApiKey.objects.active().filter(user=request.user, team=team).count()
-            if not owner and active >= MEMBER_KEYS_MAX:
-                messages.error(
-                    request, f"You have {active} active keys in {team}; revoke one first."
-                )
-                return redirect("web-keys")
             try:
-                _, created_key = api_key_create(
+                api_key, created_key = member_key_create(
                     user=request.user,
-                    team=team,
+                    team=form.cleaned_data["team"],
                     name=form.cleaned_data["name"],
-                    created_by=request.user,
                     creation_token=token,
-                    **limits,
                 )
-            except IntegrityError:  # the same form sent twice at once: one key
+            except MemberKeyRefused as exc:
+                messages.error(request, str(exc))
+                return redirect("web-keys")
+            if created_key is None:  # the same form sent again: no second key
+                messages.info(request, f"That key was already created ({api_key.prefix}…).")
                 return redirect("web-keys")
             form = KeyForm(teams=teams)
     elif request.method == "POST" and request.POST.get("action") == "revoke":
         key_id = request.POST.get("key") or ""
         if not key_id.isdigit():
             raise Http404("No such key.")
-        api_key = get_object_or_404(ApiKey, pk=int(key_id), user=request.user)
-        owner = teams_owned_by(user=request.user).filter(pk=api_key.team_id).exists()
-        if not (owner or api_key.team.members_manage_keys):
-            raise Http404("This team's keys are revoked by its owners.")
-        api_key_revoke(api_key=api_key)
+        try:
+            api_key = member_key_revoke(user=request.user, key_id=int(key_id))
+        except ApiKey.DoesNotExist:
+            raise Http404("No such key.") from None
+        except MemberKeyRefused as exc:
+            raise Http404(str(exc)) from None
         messages.success(request, f"Revoked {api_key.prefix}….")
         return redirect("web-keys")
     own = ApiKey.objects.filter(user=request.user).select_related("team").order_by("-created_at")
@@ -234,15 +204,11 @@ def models_page(request: HttpRequest) -> HttpResponse:
     client = get_engine_client()
     entries = []
     for entry in ModelEntry.objects.filter(enabled=True, name__in=names):
-        if entry.kind == ModelEntry.Kind.EMBEDDING:
-            loaded = client.embedders.is_serving(entry.name, entry.path)
-        else:
-            loaded = client.model_status(entry.name).state == "serving"
         entries.append(
             {
                 "entry": entry,
                 "context": entry.context_length or folder_context_length(entry.path),
-                "loaded": loaded,
+                "loaded": client.model_status(entry.name).state == "serving",
             }
         )
     return render(request, "web/models.html", {"models": entries})

@@ -6,8 +6,8 @@ import uuid
 import pytest
 import redis
 
-from accounts import keys
-from accounts.limits import InProcessLimiter, RedisLimiter
+from accounts import keys, limits
+from accounts.limits import InProcessLimiter, RateLimitExceeded, RedisLimiter
 from accounts.models import ApiKey
 
 TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -17,6 +17,18 @@ def make_limited_key(**limits) -> ApiKey:
     """An unsaved key with the given limits and a unique prefix (the limiters' identity)."""
     raw = keys.generate_key()
     return ApiKey(pk=abs(hash(raw)) % 10**9, prefix=keys.lookup_prefix(raw), **limits)
+
+
+async def try_admit(limiter, api_key, reserved=1):
+    """The admission, or the refusal it raised."""
+    try:
+        return await limiter.admit(api_key, reserved_tokens=reserved)
+    except RateLimitExceeded as exc:
+        return exc
+
+
+def admissions_of(results):
+    return [r for r in results if isinstance(r, limits.Admission)]
 
 
 @pytest.fixture

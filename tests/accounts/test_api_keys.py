@@ -1,5 +1,5 @@
-"""Key format and the key services: digest only, recognisable prefix, find, revoke, rotate, and
-who may see which keys."""
+"""Key format and the key services: digest only, recognisable prefix, find, revoke, rotate, the
+rules for keys members make themselves, and who may see which keys."""
 
 from datetime import timedelta
 
@@ -10,12 +10,18 @@ from accounts import keys
 from accounts.models import ApiKey, Membership
 from accounts.selectors import api_keys_visible_to, teams_owned_by, teams_visible_to
 from accounts.services import (
+    ERROR_MEMBER_KEYS_MAX,
+    ERROR_OWNERS_MANAGE_KEYS,
     LAST_USED_RESOLUTION_SECONDS,
+    MEMBER_KEYS_MAX,
+    MemberKeyRefused,
     api_key_create,
     api_key_find,
     api_key_revoke,
     api_key_rotate,
     api_key_touch_last_used,
+    member_key_create,
+    member_key_revoke,
     team_membership_ensure,
     user_get_or_create,
 )
@@ -163,3 +169,51 @@ def test_redact_keys_cuts_every_key_to_its_prefix():
         f"q={keys.lookup_prefix(raw)} and Bearer {keys.lookup_prefix(other)}; "
         f"prefix {keys.lookup_prefix(raw)}… stays"
     )
+
+
+@pytest.mark.django_db
+def test_a_member_makes_keys_under_the_teams_rules_and_an_owner_without():
+    member = MembershipFactory(team__members_manage_keys=True, team__member_key_rpm=7)
+    team = member.team
+    team.member_key_models = ["m1"]
+    team.save()
+    api_key, raw = member_key_create(user=member.user, team=team, name="laptop")
+    assert keys.digest_matches(raw, api_key.digest) and api_key.created_by == member.user
+    assert (api_key.rpm, api_key.all_models, api_key.allowed_models) == (7, False, ["m1"])
+    for _ in range(MEMBER_KEYS_MAX - 1):
+        member_key_create(user=member.user, team=team)
+    with pytest.raises(MemberKeyRefused) as caught:
+        member_key_create(user=member.user, team=team)
+    assert str(caught.value) == ERROR_MEMBER_KEYS_MAX.format(active=MEMBER_KEYS_MAX, team=team)
+    owner = MembershipFactory(team=team, role=Membership.Role.OWNER).user
+    for _ in range(MEMBER_KEYS_MAX + 1):
+        own, _ = member_key_create(user=owner, team=team)
+    assert own.rpm is None and own.all_models  # owners: no limits, no cap
+
+
+@pytest.mark.django_db
+def test_a_form_sent_again_makes_no_second_key():
+    member = MembershipFactory(team__members_manage_keys=True)
+    first, raw = member_key_create(user=member.user, team=member.team, creation_token="a" * 32)
+    again, no_raw = member_key_create(user=member.user, team=member.team, creation_token="a" * 32)
+    assert raw and no_raw is None and again == first
+    assert ApiKey.objects.filter(user=member.user).count() == 1
+
+
+@pytest.mark.django_db
+def test_where_owners_manage_keys_members_neither_make_nor_revoke_them():
+    member = MembershipFactory()  # members_manage_keys is off by default
+    with pytest.raises(MemberKeyRefused) as caught:
+        member_key_create(user=member.user, team=member.team)
+    assert str(caught.value) == ERROR_OWNERS_MANAGE_KEYS
+    theirs = ApiKeyFactory(team=member.team, user=member.user)
+    with pytest.raises(MemberKeyRefused):
+        member_key_revoke(user=member.user, key_id=theirs.pk)
+    member.team.members_manage_keys = True
+    member.team.save()
+    assert member_key_revoke(user=member.user, key_id=theirs.pk).is_revoked
+    someone_elses = ApiKeyFactory(team=member.team)
+    with pytest.raises(ApiKey.DoesNotExist):
+        member_key_revoke(user=member.user, key_id=someone_elses.pk)
+    someone_elses.refresh_from_db()
+    assert not someone_elses.is_revoked

@@ -1,9 +1,10 @@
 """accounts.limits on both backends (the real Redis for `redis`), under real concurrency: many
 tasks at once on one event loop, and several event-loop threads (and, for Redis, several limiter
-instances standing for several processes) sharing the counters."""
+instances standing for several processes) sharing the counters. The rate limits (rpm, tpm,
+parallel slots), headers, cancellation and a backend that fails; the monthly budget is in
+test_limits_budget.py."""
 
 import asyncio
-import random
 import threading
 import time
 
@@ -11,13 +12,11 @@ import pytest
 import redis
 from asgiref.sync import sync_to_async
 from django.test import override_settings
-from django.utils import timezone
 
 from accounts import limits
 from accounts.limits import (
     CODE_QUOTA,
     CODE_RATE_LIMIT,
-    ERROR_BUDGET,
     ERROR_PARALLEL,
     ERROR_TOO_LARGE,
     InProcessLimiter,
@@ -25,21 +24,8 @@ from accounts.limits import (
     RedisLimiter,
     format_duration,
 )
-from accounts.models import ApiKeyMonthlyUsage
-from accounts.selectors import month_start
-from tests.accounts.conftest import TEST_REDIS_URL, make_limited_key
+from tests.accounts.conftest import TEST_REDIS_URL, admissions_of, make_limited_key, try_admit
 from tests.factories import ApiKeyFactory
-
-
-async def _try_admit(limiter, api_key, reserved=1):
-    try:
-        return await limiter.admit(api_key, reserved_tokens=reserved)
-    except RateLimitExceeded as exc:
-        return exc
-
-
-def _admitted(results):
-    return [r for r in results if isinstance(r, limits.Admission)]
 
 
 def test_format_duration_matches_openai():
@@ -61,15 +47,15 @@ async def test_unlimited_key_has_no_headers_and_no_state(make_limiter):
 async def test_fifty_simultaneous_requests_admit_exactly_max_parallel(make_limiter):
     limiter = make_limiter()
     api_key = make_limited_key(max_parallel=2)
-    results = await asyncio.gather(*(_try_admit(limiter, api_key) for _ in range(50)))
-    admitted = _admitted(results)
+    results = await asyncio.gather(*(try_admit(limiter, api_key) for _ in range(50)))
+    admitted = admissions_of(results)
     assert len(admitted) == 2
     refusals = [r for r in results if isinstance(r, RateLimitExceeded)]
     assert len(refusals) == 48
     assert {r.code for r in refusals} == {CODE_RATE_LIMIT}
     assert refusals[0].message == ERROR_PARALLEL.format(limit=2)
     await admitted[0].release(used_tokens=1)
-    assert len(_admitted([await _try_admit(limiter, api_key) for _ in range(3)])) == 1
+    assert len(admissions_of([await try_admit(limiter, api_key) for _ in range(3)])) == 1
 
 
 async def test_never_more_than_max_parallel_while_fifty_requests_run(make_limiter):
@@ -111,12 +97,12 @@ def test_max_parallel_holds_across_event_loop_threads_and_processes(make_limiter
         limiter = shared if make_limiter.backend == "in_process" else make_limiter()
 
         async def burst():
-            return await asyncio.gather(*(_try_admit(limiter, api_key) for _ in range(13)))
+            return await asyncio.gather(*(try_admit(limiter, api_key) for _ in range(13)))
 
         start.wait()
         results = asyncio.run(burst())
         with lock:
-            admitted.extend(_admitted(results))
+            admitted.extend(admissions_of(results))
 
     threads = [threading.Thread(target=worker) for _ in range(4)]
     for thread in threads:
@@ -129,8 +115,8 @@ def test_max_parallel_holds_across_event_loop_threads_and_processes(make_limiter
 async def test_rpm_is_a_sliding_window(make_limiter):
     limiter = make_limiter(window_seconds=0.3)
     api_key = make_limited_key(rpm=3)
-    results = await asyncio.gather(*(_try_admit(limiter, api_key) for _ in range(10)))
-    assert len(_admitted(results)) == 3
+    results = await asyncio.gather(*(try_admit(limiter, api_key) for _ in range(10)))
+    assert len(admissions_of(results)) == 3
     refusal = next(r for r in results if isinstance(r, RateLimitExceeded))
     assert refusal.limit == "requests"
     assert refusal.headers["x-ratelimit-remaining-requests"] == "0"
@@ -143,8 +129,8 @@ async def test_rpm_is_a_sliding_window(make_limiter):
 async def test_tpm_never_exceeded_by_concurrent_reservations(make_limiter):
     limiter = make_limiter()
     api_key = make_limited_key(tpm=1000)
-    results = await asyncio.gather(*(_try_admit(limiter, api_key, 100) for _ in range(50)))
-    admitted = _admitted(results)
+    results = await asyncio.gather(*(try_admit(limiter, api_key, 100) for _ in range(50)))
+    admitted = admissions_of(results)
     assert len(admitted) == 10
     assert admitted[-1].headers["x-ratelimit-remaining-tokens"] in {
         str(1000 - 100 * n) for n in range(1, 11)
@@ -259,32 +245,6 @@ async def test_redis_counters_expire(redis_namespace):
         limiter.close()
 
 
-@pytest.mark.django_db(transaction=True)
-async def test_budget_holds_under_sustained_concurrent_load(make_limiter, sync_thread_db):
-    """50 clients admit and release as fast as they can until the budget runs out: what they used
-    never exceeds the budget, whatever each request ends up using."""
-    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=5000)
-    limiter = make_limiter()
-    rng = random.Random(7)
-    used_total = 0
-
-    async def client():
-        nonlocal used_total
-        while True:
-            try:
-                admission = await limiter.admit(api_key, reserved_tokens=100)
-            except RateLimitExceeded as exc:
-                assert exc.code == CODE_QUOTA
-                return
-            await asyncio.sleep(0)
-            used = rng.randint(0, 100)
-            used_total += used
-            await admission.release(used_tokens=used)
-
-    await asyncio.wait_for(asyncio.gather(*(client() for _ in range(50))), 60)
-    assert 5000 - 100 < used_total <= 5000
-
-
 async def test_admission_cancelled_mid_check_reserves_nothing(make_limiter):
     """A client that disconnects while its admission is in flight leaves no reservation."""
     limiter = make_limiter()
@@ -305,40 +265,6 @@ async def test_admission_cancelled_mid_check_reserves_nothing(make_limiter):
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_budget_is_seeded_from_the_month_and_never_exceeded(make_limiter, sync_thread_db):
-    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=1000)
-    month = month_start(timezone.now().date())
-    await ApiKeyMonthlyUsage.objects.acreate(api_key=api_key, month=month, tokens=400)
-    limiter = make_limiter()
-    results = await asyncio.gather(*(_try_admit(limiter, api_key, 100) for _ in range(50)))
-    admitted = _admitted(results)
-    assert len(admitted) == 6
-    refusal = next(r for r in results if isinstance(r, RateLimitExceeded))
-    assert refusal.code == CODE_QUOTA
-    assert refusal.headers["x-should-retry"] == "false"
-    assert refusal.message == ERROR_BUDGET.format(limit=1000, used=1000, requested=100)
-    for admission in admitted:
-        await admission.release(used_tokens=50)
-    # 400 + 6 * 50 used: 300 left
-    assert len(_admitted([await _try_admit(limiter, api_key, 100) for _ in range(5)])) == 3
-
-
-@pytest.mark.django_db(transaction=True)
-async def test_an_idle_keys_budget_is_re_seeded_from_the_database(make_limiter, sync_thread_db):
-    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=1000)
-    limiter = make_limiter(budget_idle_seconds=0.2)
-    await (await limiter.admit(api_key, reserved_tokens=100)).release(used_tokens=100)
-    # Usage this counter never saw (another process's, or a release lost in a crash).
-    month = month_start(timezone.now().date())
-    await ApiKeyMonthlyUsage.objects.acreate(api_key=api_key, month=month, tokens=950)
-    await (await limiter.admit(api_key, reserved_tokens=100)).release(used_tokens=0)
-    await asyncio.sleep(0.3)
-    with pytest.raises(RateLimitExceeded) as caught:
-        await limiter.admit(api_key, reserved_tokens=100)
-    assert caught.value.code == CODE_QUOTA
-
-
-@pytest.mark.django_db(transaction=True)
 async def test_in_process_state_of_idle_keys_is_evicted(sync_thread_db):
     """Memory follows the active keys: counters of keys idle past the window (and budgets idle past
     their idle time) go; a key with a request in flight keeps its state."""
@@ -356,23 +282,6 @@ async def test_in_process_state_of_idle_keys_is_evicted(sync_thread_db):
     assert list(limiter._keys) == [busy.prefix] and not limiter._used
     with pytest.raises(RateLimitExceeded):
         await limiter.admit(busy, reserved_tokens=1)
-
-
-@pytest.mark.redis
-@pytest.mark.django_db(transaction=True)
-async def test_redis_budget_is_shared_by_processes(redis_namespace, sync_thread_db):
-    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=500)
-    first = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
-    second = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
-    try:
-        held = await first.admit(api_key, reserved_tokens=300)
-        with pytest.raises(RateLimitExceeded):
-            await second.admit(api_key, reserved_tokens=300)
-        await held.release(used_tokens=100)
-        await second.admit(api_key, reserved_tokens=400)
-    finally:
-        first.close()
-        second.close()
 
 
 def test_get_limiter_follows_redis_url():
@@ -402,22 +311,6 @@ async def test_a_flexible_request_gets_what_the_tpm_window_has_left(make_limiter
         await limiter.admit(api_key, reserved_tokens=800)
     exact = await limiter.admit(api_key, reserved_tokens=700)
     assert exact.granted_tokens == 700
-
-
-@pytest.mark.django_db(transaction=True)
-async def test_a_flexible_request_gets_what_the_budget_has_left(make_limiter, sync_thread_db):
-    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=1000)
-    month = month_start(timezone.now().date())
-    await ApiKeyMonthlyUsage.objects.acreate(api_key=api_key, month=month, tokens=400)
-    limiter = make_limiter()
-    held = await limiter.admit(api_key, reserved_tokens=8192, min_tokens=10)
-    assert held.granted_tokens == 600
-    with pytest.raises(RateLimitExceeded) as caught:
-        await limiter.admit(api_key, reserved_tokens=8192, min_tokens=10)
-    assert caught.value.code == CODE_QUOTA
-    await held.release(used_tokens=595)
-    last = await limiter.admit(api_key, reserved_tokens=8192, min_tokens=5)
-    assert last.granted_tokens == 5
 
 
 @pytest.mark.django_db(transaction=True)
@@ -476,7 +369,7 @@ async def test_an_admission_whose_answer_was_lost_is_undone(redis_namespace):
             await lossy.admit(api_key, reserved_tokens=5)
         async with asyncio.timeout(5):
             while True:  # the undo runs in the background
-                result = await _try_admit(healthy, api_key)
+                result = await try_admit(healthy, api_key)
                 if isinstance(result, limits.Admission):
                     break
                 await asyncio.sleep(0.05)
@@ -484,22 +377,3 @@ async def test_an_admission_whose_answer_was_lost_is_undone(redis_namespace):
     finally:
         lossy.close()
         healthy.close()
-
-
-@pytest.mark.redis
-@pytest.mark.django_db(transaction=True)
-async def test_a_retried_release_counts_its_tokens_once(redis_namespace, sync_thread_db):
-    api_key = await sync_to_async(ApiKeyFactory)(budget_tokens=1000)
-    limiter = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
-    try:
-        admission = await limiter.admit(api_key, reserved_tokens=100)
-        key_limits = limits.base.Limits.of(api_key)
-        month = month_start(timezone.now().date())
-        for _ in range(3):  # a release whose answer was lost, retried
-            await limiter._release(key_limits, admission.id, 400, month)
-        held = await limiter.admit(api_key, reserved_tokens=600)
-        with pytest.raises(RateLimitExceeded):
-            await limiter.admit(api_key, reserved_tokens=1)
-        await held.release(used_tokens=0)
-    finally:
-        limiter.close()

@@ -1,17 +1,17 @@
 """/v1/responses: create (streamed or not), retrieve, delete, list input items.
 
-A create reads its body into a conversation (the stored one it continues, then its own input
-items), renders that through the same generation service as chat completions, and builds its
-output items with `ResponseBuilder` from the same output stage (reasoning and tool-call
-parsers). With `store` (the default) the finished response and the input it answered are kept
-for the key's team, before the final event is sent: a client that continues as soon as it has
-the response always finds it. A stream the client leaves is billed for what it received and
-not stored (it never finished).
+A create reads its body (its input items, and how to make a generation call of a conversation)
+and starts the response through the responses service (inference/services/responses.py: the
+stored response it continues, truncation, storage), then builds its output items with
+`ResponseBuilder` from the same output stage as chat completions (reasoning and tool-call
+parsers). A stream the client leaves is billed for what it received and not stored (it never
+finished).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +22,6 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from accounts.models import ApiKey
 from engine import PromptInput
 from inference.api.chat import requires_tool_call, structured_output, tools_for_template
 from inference.api.common import authenticate, json_response, parse_json_body, typed_sse, validate
@@ -31,14 +30,15 @@ from inference.api.responses import items as input_items
 from inference.api.responses.events import ResponseBuilder
 from inference.api.responses.serializers import InputItemsQuerySerializer, ResponseCreateSerializer
 from inference.errors import APIError
-from inference.services.generation import Generation, GenerationCall, generation_start
+from inference.services.generation import Generation, GenerationCall
 from inference.services.output import GenerationFailed
 from inference.services.responses import (
-    conversation_items,
+    ResponseRun,
     input_items_page,
     response_delete,
     response_get,
-    response_store,
+    response_not_found,
+    response_start,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,18 +55,7 @@ SAMPLING_FIELDS = (
 )
 # reasoning.effort values a template understands as `reasoning_effort` (gpt-oss's harmony).
 TEMPLATE_EFFORTS = ("low", "medium", "high")
-# With truncation "auto", how many times the oldest turn may be dropped to fit the context.
-MAX_TRUNCATIONS = 64
 ERROR_STREAM_FAILED = "The server had an error while streaming this response."
-
-
-def _not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(
-        404,
-        f"Response with id '{response_id}' not found.",
-        param=param,
-        code="previous_response_not_found" if param else None,
-    )
 
 
 def _text_config(data: dict[str, Any]) -> dict[str, Any]:
@@ -109,43 +98,6 @@ def _call(data: dict[str, Any], conversation: list[dict[str, Any]]) -> Generatio
         parallel_tool_calls=data.get("parallel_tool_calls") is not False,
         require_tool_call=requires_tool_call(choice, tools),
     )
-
-
-def _drop_oldest_turn(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """The conversation without its oldest turn (a user message and what answered it),
-    leading system and developer messages kept; None when only the last turn is left."""
-    start = 0
-    while start < len(conversation) and conversation[start].get("role") in ("system", "developer"):
-        start += 1
-    users = [
-        index
-        for index in range(start, len(conversation))
-        if conversation[index].get("role") == "user"
-    ]
-    if len(users) < 2:
-        return None
-    return conversation[:start] + conversation[users[1] :]
-
-
-async def _start(
-    request: HttpRequest, api_key: ApiKey, data: dict[str, Any], conversation: list[dict]
-) -> tuple[Generation, list[dict]]:
-    """Start the generation; with truncation "auto", dropping the oldest turns until the
-    conversation fits the model's context."""
-    for _ in range(MAX_TRUNCATIONS):
-        try:
-            call = _call(data, conversation)
-            return await generation_start(
-                api_key=api_key, request_id=request.orchard_request_id, call=call
-            ), conversation
-        except APIError as exc:
-            shorter = None
-            if exc.code == "context_length_exceeded" and data.get("truncation") == "auto":
-                shorter = _drop_oldest_turn(conversation)
-            if shorter is None:
-                raise
-            conversation = shorter
-    raise APIError(400, "The input does not fit the model's context.", param="input")
 
 
 def _response_object(
@@ -195,14 +147,11 @@ def _usage(generation: Generation, builder: ResponseBuilder) -> dict[str, Any]:
 
 
 class _Run:
-    """One create: the generation, its builder, and what is stored when it ends."""
+    """One create: the started response and its builder, the events it sends."""
 
-    def __init__(self, api_key, generation, builder, conversation, store):
-        self.api_key = api_key
-        self.generation = generation
+    def __init__(self, run: ResponseRun, builder: ResponseBuilder):
+        self.run = run
         self.builder = builder
-        self.conversation = conversation
-        self.store = store
         self.error: str | None = None
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
@@ -210,7 +159,7 @@ class _Run:
             yield event
         status = "completed"
         try:
-            async with self.generation.deltas() as deltas:
+            async with self.run.generation.deltas() as deltas:
                 async for delta in deltas:
                     for event in self.builder.feed(delta):
                         yield event
@@ -218,13 +167,10 @@ class _Run:
                         status = "incomplete"
         except GenerationFailed as exc:
             status, self.error = "failed", exc.message
-        self.builder.response["usage"] = _usage(self.generation, self.builder)
+        self.builder.response["usage"] = _usage(self.run.generation, self.builder)
         error = {"code": "server_error", "message": self.error} if self.error else None
         final = self.builder.finish(status, error=error)
-        if self.store:
-            await sync_to_async(response_store)(
-                api_key=self.api_key, body=self.builder.response, input_items=self.conversation
-            )
+        await self.run.finished(self.builder.response)
         for event in final:
             yield event
 
@@ -247,31 +193,28 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
 async def responses_create(request: HttpRequest) -> HttpResponse:
     api_key = await authenticate(request)
     data = validate(ResponseCreateSerializer, parse_json_body(request))
-    conversation: list[dict[str, Any]] = []
-    previous_id = data.get("previous_response_id")
-    if previous_id:
-        previous = await sync_to_async(response_get)(api_key=api_key, response_id=previous_id)
-        if previous is None:
-            raise _not_found(previous_id, param="previous_response_id")
-        conversation = conversation_items(previous)
-    conversation = conversation + input_items.input_items(data["input"])
-    if not any(item["type"] != "reasoning" for item in conversation):
-        raise APIError(400, "'input' must hold at least one message or item.", param="input")
-    generation, conversation = await _start(request, api_key, data, conversation)
-    store = data.get("store") is not False
-    response_id = input_items.new_id("resp")
+    run = await response_start(
+        api_key=api_key,
+        request_id=request.orchard_request_id,
+        input_items=input_items.input_items(data["input"]),
+        call_for=functools.partial(_call, data),
+        previous_response_id=data.get("previous_response_id"),
+        truncate=data.get("truncation") == "auto",
+        store=data.get("store") is not False,
+    )
     builder = ResponseBuilder(
-        _response_object(response_id, data, generation.model, store),
+        _response_object(input_items.new_id("resp"), data, run.generation.model, run.store),
         input_items.template_tools(data.get("tools"))[1],
     )
-    run = _Run(api_key, generation, builder, conversation, store)
+    created = _Run(run, builder)
+    headers = run.generation.headers
     if data.get("stream"):
-        return sse_response(_stream(run), generation.headers)
-    async for _event in run.events():
+        return sse_response(_stream(created), headers)
+    async for _event in created.events():
         pass
-    if run.error:
-        raise APIError(500, run.error)
-    return json_response(builder.response, generation.headers)
+    if created.error:
+        raise APIError(500, created.error)
+    return json_response(builder.response, headers)
 
 
 @csrf_exempt
@@ -280,11 +223,11 @@ async def response_detail(request: HttpRequest, response_id: str) -> HttpRespons
     api_key = await authenticate(request)
     if request.method == "DELETE":
         if not await sync_to_async(response_delete)(api_key=api_key, response_id=response_id):
-            raise _not_found(response_id)
+            raise response_not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True}, {})
     stored = await sync_to_async(response_get)(api_key=api_key, response_id=response_id)
     if stored is None:
-        raise _not_found(response_id)
+        raise response_not_found(response_id)
     return json_response(stored.body, {})
 
 
@@ -295,7 +238,7 @@ async def response_input_items(request: HttpRequest, response_id: str) -> HttpRe
     query = validate(InputItemsQuerySerializer, request.GET.dict())
     stored = await sync_to_async(response_get)(api_key=api_key, response_id=response_id)
     if stored is None:
-        raise _not_found(response_id)
+        raise response_not_found(response_id)
     page = input_items_page(
         stored, order=query["order"], after=query.get("after"), limit=query["limit"]
     )

@@ -13,8 +13,8 @@ from inference.models import UsageRecord
 from inference.services.registry import model_register
 from tests.fixtures.daphne import stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
+from tests.inference.api.responses.scripted import start_scripted
 from tests.inference.api.test_chat import finished_row
-from tests.inference.api.test_responses import start_scripted
 
 MODEL = "tiny-qwen3-anthropic"
 WEATHER = {

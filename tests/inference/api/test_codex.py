@@ -2,10 +2,10 @@
 against a live Orchard over the Responses API, unmodified.
 
 Codex's first request is ~10k tokens (its instructions, a `namespace` tool, `web_search`,
-`store: false`, `reasoning`, `include`, `prompt_cache_key`, `client_metadata`; FACTS.md), so the
-model is a tiny Qwen3 with a 32k context whose reply the test-only scripted daphne forces to
-"pong" and the end of its turn: the real template renders Codex's prompt and tools, the real
-engine prefills it, and the stream Codex reads is the server's own."""
+`store: false`, `reasoning`, `include`, `prompt_cache_key`, `client_metadata`;
+docs/architecture.md), so the model is a tiny Qwen3 with a 32k context whose reply the test-only
+scripted daphne forces to "pong" and the end of its turn: the real template renders Codex's prompt
+and tools, the real engine prefills it, and the stream Codex reads is the server's own."""
 
 import os
 import subprocess
@@ -17,8 +17,8 @@ from inference.models import StoredResponse, UsageRecord
 from inference.services.registry import model_register
 from tests.fixtures.daphne import stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
+from tests.inference.api.responses.scripted import start_scripted
 from tests.inference.api.test_chat import finished_row
-from tests.inference.api.test_responses import start_scripted
 
 CODEX = Path(settings.BASE_DIR) / "node_modules" / ".bin" / "codex"
 MODEL = "tiny-codex"

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from inference.models import UsageRecord
-from inference.services.execution import ERROR_SERVER_SHUTDOWN
+from inference.services.settlement import ERROR_SERVER_SHUTDOWN
 from tests.fixtures.daphne import free_port, server_env, start_daphne
 from tests.inference.conftest import TINY
 

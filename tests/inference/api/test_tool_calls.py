@@ -11,6 +11,7 @@ import pytest
 from inference.services.registry import model_register
 from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
+from tests.inference.api.responses.scripted import HARMONY_SCRIPTS
 
 QWEN = "tiny-qwen3-tools"
 LLAMA = "tiny-llama3-tools"
@@ -39,17 +40,7 @@ SCRIPTS = [
     {"trigger": "two cities", "text": CALL_PARIS + "\n" + CALL_ROME},
     {"trigger": "broken call", "text": "<tool_call>\n{not json}\n</tool_call>"},
     {"trigger": "no thinking please", "text": "Just the answer."},
-    {
-        "trigger": "weather in Berlin",
-        "text": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
-        "<|channel|>commentary to=functions.get_weather <|constrain|>json"
-        '<|message|>{"city": "Berlin"}<|call|>',
-    },
-    {
-        "trigger": "Cloudy, 12",
-        "text": "<|channel|>analysis<|message|>Report it.<|end|><|start|>assistant"
-        "<|channel|>final<|message|>Cloudy and 12 °C in Berlin.<|return|>",
-    },
+    *HARMONY_SCRIPTS,
     {
         "trigger": "llama weather",
         "text": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',

@@ -8,7 +8,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from transformers import AutoTokenizer
 
-from inference.admin import ModelEntryAdmin
+from inference.admin.registry import ModelEntryAdmin
 from inference.management.commands.register_model import Command as RegisterModel
 from inference.models import ModelEntry
 from inference.parsers.harmony import HarmonyParser

@@ -1,14 +1,12 @@
 """Execution's accounting holds on the awkward paths: a client that leaves while its usage row
-is being written still gets exactly one finished row and its limiter slot back; a usage row the
-database refuses does not hang the stream and is not lost; several prompts left early close
-cleanly, each aborted once."""
+is being written still gets exactly one finished row and its limiter slot back; an engine
+failure is recorded as failed; several prompts left early close cleanly, each aborted once."""
 
 import asyncio
 import time
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import OperationalError
 
 from accounts import limits
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
@@ -18,6 +16,8 @@ from inference.api.openai_format import SSE_DONE, aggregate, chat_chunks
 from inference.errors import APIError
 from inference.models import ModelEntry, UsageRecord
 from inference.services import execution as execution_module
+from inference.services import settlement as settlement_module
+from inference.services.admission import request_admit
 from inference.services.execution import Execution
 from inference.services.generation import Generation
 from tests.engine.conftest import eventually
@@ -30,24 +30,30 @@ def make_key():
     return api_key
 
 
+async def admitted(api_key, request_id, requests) -> Execution:
+    """An execution of `requests` admitted for `api_key`, as the generation service makes it."""
+    settlement = await request_admit(
+        api_key=api_key,
+        request_id=request_id,
+        model="m",
+        endpoint="chat.completions",
+        reserved_tokens=sum(len(r.prompt_token_ids) + r.sampling.max_tokens for r in requests),
+    )
+    return Execution(settlement, requests)
+
+
 @pytest.mark.django_db(transaction=True)
 async def test_cancel_while_the_usage_row_is_written(monkeypatch):
     api_key = await sync_to_async(make_key)()
-    real_open = execution_module.usage_open
+    real_open = settlement_module.usage_open
 
     def slow_open(**kwargs):
         time.sleep(0.3)
         return real_open(**kwargs)
 
-    monkeypatch.setattr(execution_module, "usage_open", slow_open)
+    monkeypatch.setattr(settlement_module, "usage_open", slow_open)
     request = GenerationRequest("req_slow", "m", (1, 2, 3), SamplingParams(max_tokens=4))
-    execution = Execution(
-        api_key=api_key,
-        model="m",
-        endpoint="chat.completions",
-        request_id="req_slow",
-        requests=[request],
-    )
+    execution = await admitted(api_key, "req_slow", [request])
     task = asyncio.create_task(execution.start())
     await asyncio.sleep(0.1)
     task.cancel()
@@ -112,13 +118,7 @@ async def start_generation(monkeypatch, engine, request_id, *, num_prompts=1):
         GenerationRequest(f"{request_id}-{i}", "m", (1, 2, 3), SamplingParams(max_tokens=4))
         for i in range(num_prompts)
     ]
-    execution = Execution(
-        api_key=api_key,
-        model="m",
-        endpoint="chat.completions",
-        request_id=request_id,
-        requests=requests,
-    )
+    execution = await admitted(api_key, request_id, requests)
     await execution.start()
     return Generation(execution, ModelEntry(name="m"))
 
@@ -155,39 +155,6 @@ async def test_engine_failure_non_streamed_is_a_500_and_recorded_as_failed(
     assert caught.value.status == 500
     row = await sync_to_async(UsageRecord.objects.get)(request_id=f"req_n{reason}")
     assert (row.status, row.error_code) == ("failed", code)
-
-
-@pytest.mark.django_db(transaction=True)
-async def test_a_usage_row_the_database_refuses_neither_hangs_the_stream_nor_is_lost(
-    monkeypatch,
-):
-    real_finish = execution_module.usage_finish
-    attempts = []
-
-    def locked_twice(**kwargs):
-        attempts.append(kwargs["status"])
-        if len(attempts) <= 2:
-            raise OperationalError("database is locked")
-        return real_finish(**kwargs)
-
-    monkeypatch.setattr(execution_module, "usage_finish", locked_twice)
-    monkeypatch.setattr(execution_module, "USAGE_RETRY_DELAYS_S", (0.05, 0.05, 0.05))
-    generation = await start_generation(monkeypatch, engine_finishing(), "req_locked")
-    chunks = await streamed(generation)
-    assert chunks[-1] == SSE_DONE  # the client got its whole response, and its end
-    await eventually(lambda: len(attempts) >= 3)
-
-    async def finished() -> bool:  # the third attempt has begun; wait for its commit
-        row = await sync_to_async(UsageRecord.objects.get)(request_id="req_locked")
-        return row.status != UsageRecord.Status.IN_PROGRESS
-
-    await eventually(finished)
-    row = await sync_to_async(UsageRecord.objects.get)(request_id="req_locked")
-    assert (row.status, row.completion_tokens) == ("completed", 2)
-    assert len(attempts) == 3
-    # The limiter slot came back at once (max_parallel=1): the next request is admitted.
-    admission = await limits.admit(generation.execution.api_key, reserved_tokens=1)
-    await admission.release(used_tokens=0)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -259,31 +226,3 @@ async def test_a_request_task_cancelled_outside_its_stream_closes_every_stream_o
     errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert not errors, [r.getMessage() for r in errors]
     await kept[0].aclose()
-
-
-@pytest.mark.django_db(transaction=True)
-async def test_a_slow_usage_write_does_not_hold_the_end_of_the_stream(monkeypatch):
-    real_finish = execution_module.usage_finish
-    calls = []
-
-    def busy_database(**kwargs):  # a write waiting on SQLite's busy timeout, then landing
-        calls.append(kwargs["finished_at"])
-        time.sleep(1.5)
-        return real_finish(**kwargs)
-
-    monkeypatch.setattr(execution_module, "usage_finish", busy_database)
-    monkeypatch.setattr(execution_module, "USAGE_WRITE_WAIT_S", 0.1)
-    generation = await start_generation(monkeypatch, engine_finishing(), "req_busy")
-    started = time.monotonic()
-    chunks = await streamed(generation)
-    assert chunks[-1] == SSE_DONE and time.monotonic() - started < 1.0
-    await eventually(lambda: len(calls) == 1)
-    row = await sync_to_async(UsageRecord.objects.get)(request_id="req_busy")
-    for _ in range(100):
-        if row.status == "completed":
-            break
-        await asyncio.sleep(0.05)
-        row = await sync_to_async(UsageRecord.objects.get)(request_id="req_busy")
-    assert (row.status, row.completion_tokens) == ("completed", 2)
-    assert row.finished_at == calls[0]  # the time the request ended, not the write's
-    assert len(calls) == 1  # waited for, not written twice

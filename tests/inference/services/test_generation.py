@@ -3,10 +3,18 @@ size of a request the caller did not size is decided."""
 
 import asyncio
 
-from engine.protocol import ModelInfo, SamplingParams
+import pytest
+
+from engine import (
+    InvalidRequestError,
+    ModelInfo,
+    RenderedPrompt,
+    completion_budget,
+    validate_generation,
+)
 from inference.models import ModelEntry
 from inference.services import generation
-from inference.services.generation import GenerationCall, _fit_to_context, _sampling
+from inference.services.generation import GenerationCall, Sizing, _sampling
 from tests.accounts.conftest import make_limited_key
 
 INFO = ModelInfo(name="m", context_length=4096, vocab_size=1000, eos_token_ids=(0,))
@@ -32,6 +40,16 @@ async def test_one_key_renders_at_most_two_prompts_at_once_and_leaves_no_state()
     assert slot._slots[asyncio.get_running_loop()] == {}
 
 
+def sized(call, entry, prompt_lengths, **kwargs):
+    sampling, limit = _sampling(call, entry)
+    prompts = [RenderedPrompt(token_ids=(1,) * length) for length in prompt_lengths]
+    return Sizing("req", "m", prompts, sampling, limit, INFO).requests(**kwargs)
+
+
+def max_tokens(requests):
+    return [request.sampling.max_tokens for request in requests]
+
+
 def test_a_registry_default_max_tokens_is_an_upper_bound_not_a_caller_value():
     entry = ModelEntry(name="m", default_sampling={"max_tokens": 100_000, "temperature": 0.5})
     call = GenerationCall("chat.completions", "m", (), "messages", sampling={"max_tokens": None})
@@ -39,19 +57,40 @@ def test_a_registry_default_max_tokens_is_an_upper_bound_not_a_caller_value():
     assert sampling.max_tokens is None and sampling.temperature == 0.5 and limit == 100_000
     # Capped to what the context leaves, instead of a context_length_exceeded the caller
     # never asked for; the request stays flexible (admission may grant less).
-    assert _fit_to_context(sampling, limit, 4000, INFO).max_tokens == 96
+    assert max_tokens(sized(call, entry, [4000])) == [96]
     small = ModelEntry(name="m", default_sampling={"max_tokens": 20})
-    sampling, limit = _sampling(call, small)
-    assert _fit_to_context(sampling, limit, 10, INFO).max_tokens == 20
+    assert max_tokens(sized(call, small, [10])) == [20]
     # A caller's own max_tokens is theirs: neither capped nor flexible.
-    sized = GenerationCall("chat.completions", "m", (), "messages", sampling={"max_tokens": 5000})
-    sampling, limit = _sampling(sized, entry)
-    assert limit is None and _fit_to_context(sampling, limit, 10, INFO).max_tokens == 5000
+    own = GenerationCall("chat.completions", "m", (), "messages", sampling={"max_tokens": 5000})
+    assert _sampling(own, entry)[1] is None and max_tokens(sized(own, entry, [10])) == [5000]
 
 
 def test_the_endpoint_default_applies_when_neither_caller_nor_registry_sizes_it():
     call = GenerationCall("completions", "m", (), "prompt", default_max_tokens=16)
-    sampling, limit = _sampling(call, ModelEntry(name="m"))
-    assert limit == 16
-    assert _fit_to_context(sampling, limit, 4090, INFO).max_tokens == 6
-    assert _fit_to_context(sampling, limit, 4096, INFO) == SamplingParams()  # no room: refused
+    assert _sampling(call, ModelEntry(name="m"))[1] == 16
+    assert max_tokens(sized(call, ModelEntry(name="m"), [4090])) == [6]
+    # No room: sized to 1, so that validation refuses it as too long for the context.
+    [full] = sized(call, ModelEntry(name="m"), [4096])
+    with pytest.raises(InvalidRequestError) as caught:
+        validate_generation(full, INFO)
+    assert caught.value.code == "context_length_exceeded"
+
+
+def test_a_smaller_grant_is_shared_out_equally_within_each_prompts_own_size():
+    call = GenerationCall("completions", "m", (), "prompt", sampling={"n": 2, "min_tokens": 50})
+    # Two prompts of 100 and 4000 tokens, two choices each: without a grant each gets the rest
+    # of its context; with one, each of the 4 choices an equal share of what the prompts leave.
+    assert max_tokens(sized(call, ModelEntry(name="m"), [100, 4000])) == [3996, 96]
+    granted = sized(call, ModelEntry(name="m"), [100, 4000], granted=4100 + 4 * 40)
+    assert max_tokens(granted) == [40, 40]
+    assert [r.sampling.min_tokens for r in granted] == [40, 40]  # cut to fit, not refused
+    # A grant larger than the sizes changes nothing.
+    assert max_tokens(sized(call, ModelEntry(name="m"), [100, 4000], granted=10**6)) == [3996, 96]
+
+
+def test_the_budget_is_the_callers_else_the_rest_of_the_context_within_limit_and_grant():
+    assert completion_budget(num_prompt_tokens=10, context_length=100) == 90
+    assert completion_budget(num_prompt_tokens=10, context_length=100, max_tokens=500) == 500
+    assert completion_budget(num_prompt_tokens=10, context_length=100, size_limit=20) == 20
+    assert completion_budget(num_prompt_tokens=10, context_length=100, grant=5) == 5
+    assert completion_budget(num_prompt_tokens=100, context_length=100) == 1

@@ -1,7 +1,8 @@
-"""/v1/responses end to end with the official `openai` client over real HTTP: a tiny model with
-the real Qwen3 tokenizer and template whose replies a test-only logits processor forces to a
-script (tests/fixtures/scripted_daphne.py); template, engine, parsers, streaming and the
-database are real."""
+"""/v1/responses end to end with the official `openai` client over real HTTP: output items,
+events and streaming, and what a body may hold. A tiny model with the real Qwen3 tokenizer and
+template whose replies a test-only logits processor forces to a script
+(tests/fixtures/scripted_daphne.py); template, engine, parsers, streaming and the database are
+real."""
 
 import json
 
@@ -10,38 +11,9 @@ import openai
 import pytest
 
 from inference.models import StoredResponse, UsageRecord
-from inference.services.registry import model_register
-from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
-from tests.fixtures.tiny_models import build_tiny_model
+from tests.inference.api.responses.scripted import MODEL, WEATHER_TOOL
 from tests.inference.api.test_chat import finished_row
 
-MODEL = "tiny-qwen3-responses"
-CALL_CRM = '<tool_call>\n{"name": "crm.lookup_customer", "arguments": {"id": 7}}\n</tool_call>'
-CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-SCRIPTS = [
-    {"trigger": "Say hello", "text": "Hello there!"},
-    {
-        "trigger": "weather in Paris",
-        "text": "<think>\nThe user wants the weather.\n</think>\n\n" + CALL_PARIS,
-    },
-    {"trigger": "Sunny, 21", "text": "It is sunny and 21 °C in Paris."},
-    {"trigger": "turn one", "text": "First reply."},
-    {"trigger": "turn two", "text": "Second reply."},
-    {"trigger": "turn three", "text": "Third reply."},
-    {"trigger": "Count slowly", "text": "one two three four five six seven eight nine ten"},
-    {"trigger": "crm.lookup_customer", "text": CALL_CRM},
-    {"trigger": "Reply with the word pong", "text": "pong"},
-]
-WEATHER_TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
 TEXT_EVENTS = [
     "response.created",
     "response.in_progress",
@@ -53,41 +25,6 @@ TEXT_EVENTS = [
     "response.output_item.done",
     "response.completed",
 ]
-
-
-def start_scripted(folder):
-    scripts = folder / "scripts.json"
-    scripts.write_text(json.dumps(SCRIPTS))
-    port = free_port()
-    process = start_daphne(
-        port=port,
-        env={**server_env(), "ORCHARD_TEST_SCRIPTS": str(scripts)},
-        log_path=folder / f"server-{port}.log",
-        module="tests.fixtures.scripted_daphne",
-    )
-    return process, f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture(scope="module")
-def scripted_url(django_db_setup, tmp_path_factory):
-    process, url = start_scripted(tmp_path_factory.mktemp("responses"))
-    yield url
-    stop_daphne(process)
-
-
-@pytest.fixture
-def registered(transactional_db):
-    model_register(name=MODEL, path=build_tiny_model(model_type="qwen3", tokenizer="qwen3"))
-
-
-@pytest.fixture
-def raw_key(make_key, registered) -> str:
-    return make_key()
-
-
-@pytest.fixture
-def client(scripted_url, raw_key) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{scripted_url}/v1", api_key=raw_key, max_retries=0)
 
 
 def collect(stream):
@@ -208,82 +145,6 @@ def test_reasoning_and_a_tool_call_streamed_and_not(client):
     assert events[-3].name == "get_weather"
 
 
-def test_a_tool_round_trip_with_previous_response_id(client):
-    first = client.responses.create(
-        model=MODEL, input="What is the weather in Paris?", tools=[WEATHER_TOOL]
-    )
-    call = first.output[-1]
-    second = client.responses.create(
-        model=MODEL,
-        previous_response_id=first.id,
-        tools=[WEATHER_TOOL],
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21"}],
-    )
-    assert second.output_text == "It is sunny and 21 °C in Paris."
-    assert second.previous_response_id == first.id
-    # The whole conversation it answered: the question, the reasoning, the call, its output.
-    items = client.responses.input_items.list(second.id, order="asc")
-    assert [i.type for i in items.data] == [
-        "message",
-        "reasoning",
-        "function_call",
-        "function_call_output",
-    ]
-    assert items.data[2].call_id == call.call_id
-
-
-def test_a_tool_round_trip_without_storage(client):
-    """What stateless clients (Codex) do: store false, and the whole history sent again."""
-    first = client.responses.create(
-        model=MODEL, input="What is the weather in Paris?", tools=[WEATHER_TOOL], store=False
-    )
-    history = [{"role": "user", "content": "What is the weather in Paris?"}]
-    history += [item.model_dump(exclude_none=True) for item in first.output]
-    call = first.output[-1]
-    history.append({"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21"})
-    second = client.responses.create(model=MODEL, input=history, tools=[WEATHER_TOOL], store=False)
-    assert second.output_text == "It is sunny and 21 °C in Paris."
-    assert not StoredResponse.objects.exists()
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError) as caught:
-        client.responses.create(model=MODEL, input="more", previous_response_id=first.id)
-    assert caught.value.body["param"] == "previous_response_id"
-
-
-def test_chaining_three_turns_across_a_server_restart(raw_key, tmp_path, registered):
-    process, url = start_scripted(tmp_path)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=raw_key, max_retries=0)
-        first = client.responses.create(
-            model=MODEL, input="turn one", instructions="Answer briefly."
-        )
-    finally:
-        stop_daphne(process)
-    process, url = start_scripted(tmp_path)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=raw_key, max_retries=0)
-        second = client.responses.create(
-            model=MODEL, input="turn two", previous_response_id=first.id
-        )
-        third = client.responses.create(
-            model=MODEL, input="turn three", previous_response_id=second.id
-        )
-        items = client.responses.input_items.list(third.id)  # newest first
-    finally:
-        stop_daphne(process)
-    assert [r.output_text for r in (first, second, third)] == [
-        "First reply.",
-        "Second reply.",
-        "Third reply.",
-    ]
-    texts = [item.content[0].text for item in items.data]
-    assert texts == ["turn three", "Second reply.", "turn two", "First reply.", "turn one"]
-    # Each turn's prompt held the ones before it (instructions are not carried over).
-    assert third.usage.input_tokens > second.usage.input_tokens > 0
-    assert third.instructions is None and first.instructions == "Answer briefly."
-
-
 def test_an_incomplete_response(client):
     response = client.responses.create(model=MODEL, input="Count slowly", max_output_tokens=3)
     assert response.status == "incomplete"
@@ -295,47 +156,6 @@ def test_an_incomplete_response(client):
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-1].response.output_text == response.output_text
-
-
-def test_team_isolation(client, scripted_url, make_key, registered):
-    mine = client.responses.create(model=MODEL, input="Say hello")
-    other = openai.OpenAI(
-        base_url=f"{scripted_url}/v1", api_key=make_key("bob", "team-b"), max_retries=0
-    )
-    for attempt in (
-        lambda: other.responses.retrieve(mine.id),
-        lambda: other.responses.delete(mine.id),
-        lambda: other.responses.input_items.list(mine.id),
-        lambda: other.responses.create(model=MODEL, input="x", previous_response_id=mine.id),
-    ):
-        with pytest.raises(openai.NotFoundError) as caught:
-            attempt()
-        assert caught.value.body["type"] == "invalid_request_error"
-    # A colleague on the same team sees it; deleting it makes it unknown to both.
-    colleague = openai.OpenAI(
-        base_url=f"{scripted_url}/v1", api_key=make_key("carol", "team-a"), max_retries=0
-    )
-    assert colleague.responses.retrieve(mine.id).output_text == "Hello there!"
-    colleague.responses.delete(mine.id)
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(mine.id)
-
-
-def test_input_items_pages(client):
-    history = [{"role": "user", "content": f"message {i}"} for i in range(5)]
-    history.append({"role": "user", "content": "Say hello"})
-    response = client.responses.create(model=MODEL, input=history)
-    page = client.responses.input_items.list(response.id, limit=2, order="asc")
-    assert [i.content[0].text for i in page.data] == ["message 0", "message 1"]
-    assert page.has_more and page.first_id == page.data[0].id and page.last_id == page.data[1].id
-    texts = [
-        item.content[0].text
-        for item in client.responses.input_items.list(response.id, limit=2, order="asc")
-    ]  # the SDK pages through with `after`
-    assert texts == [m["content"] for m in history]
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.input_items.list(response.id, limit=1000)
-    assert caught.value.body["param"] == "limit"
 
 
 def test_namespaced_tools_reach_the_template_and_hosted_ones_are_left_out(client):
@@ -457,59 +277,6 @@ def test_bad_input_is_a_clear_error(scripted_url, raw_key, body, param):
     assert not UsageRecord.objects.exclude(status="rejected").exists()
 
 
-def test_unknown_ids_are_404_in_openai_shape(client):
-    for attempt in (
-        lambda: client.responses.retrieve("resp_nope"),
-        lambda: client.responses.delete("resp_nope"),
-        lambda: client.responses.input_items.list("resp_nope"),
-    ):
-        with pytest.raises(openai.NotFoundError) as caught:
-            attempt()
-        assert "resp_nope" in caught.value.body["message"]
-
-
-GPT_OSS = "tiny-gpt-oss-responses"
-HARMONY_SCRIPTS = [
-    {
-        "trigger": "weather in Berlin",
-        "text": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
-        "<|channel|>commentary to=functions.get_weather <|constrain|>json"
-        '<|message|>{"city": "Berlin"}<|call|>',
-    },
-    {
-        "trigger": "Cloudy, 12",
-        "text": "<|channel|>analysis<|message|>Report it.<|end|><|start|>assistant"
-        "<|channel|>final<|message|>Cloudy and 12 °C in Berlin.<|return|>",
-    },
-]
-SCRIPTS.extend(HARMONY_SCRIPTS)
-
-
-def test_harmony_reasoning_and_calls_round_trip(client):
-    """gpt-oss (rendered by openai-harmony, read by the harmony parser): the analysis channel
-    is a reasoning item, the commentary call a function_call; both replay into the next turn."""
-    model_register(name=GPT_OSS, path=build_tiny_model(model_type="llama", tokenizer="gptoss"))
-    tools = [{**WEATHER_TOOL}]
-    first = client.responses.create(
-        model=GPT_OSS,
-        input="What is the weather in Berlin?",
-        tools=tools,
-        reasoning={"effort": "low"},
-    )
-    reasoning, call = first.output
-    assert [c.text for c in reasoning.content] == ["Need the weather."]
-    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Berlin"})
-    second = client.responses.create(
-        model=GPT_OSS,
-        previous_response_id=first.id,
-        tools=tools,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Cloudy, 12"}],
-    )
-    assert [item.type for item in second.output] == ["reasoning", "message"]
-    assert second.output_text == "Cloudy and 12 °C in Berlin."
-    assert second.usage.input_tokens > first.usage.input_tokens
-
-
 def test_reasoning_items_replay_into_the_template(client):
     """Qwen3's template renders the reasoning of the turn after the last user message: the
     same history with its reasoning item is a longer prompt than without it."""
@@ -550,31 +317,6 @@ def test_json_object_format(client):
     assert response.output_text.lstrip().startswith("{")
     if response.status == "completed":
         assert isinstance(json.loads(response.output_text), dict)
-
-
-def test_truncation_auto_drops_the_oldest_turns(client):
-    long = " ".join(["apple"] * 1500)
-    history = []
-    for turn in range(3):
-        history += [
-            {"role": "user", "content": f"{turn} {long}"},
-            {"role": "assistant", "content": "ok"},
-        ]
-    history.append({"role": "user", "content": "Say hello"})
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model=MODEL, input=history, max_output_tokens=20)
-    assert caught.value.body["code"] == "context_length_exceeded"
-    response = client.responses.create(
-        model=MODEL,
-        input=history,
-        truncation="auto",
-        instructions="Be brief.",
-        max_output_tokens=20,
-    )
-    assert response.output_text == "Hello there!" and response.truncation == "auto"
-    kept = [i.content[0].text for i in client.responses.input_items.list(response.id, order="asc")]
-    assert kept[-1] == "Say hello" and len(kept) < len(history)
-    assert kept[0].startswith(("1 ", "2 "))  # the oldest turn went first
 
 
 def test_the_openai_agents_sdk_runs_a_tool_loop(scripted_url, raw_key):

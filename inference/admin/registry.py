@@ -1,0 +1,198 @@
+"""Admin for the model registry: the entries' settings, what this process's engine says of each
+(status, load errors, prefix cache), and the actions on them (enable, default, reload, clear)."""
+
+import datetime
+
+from django.contrib import admin, messages
+from django.db import transaction
+
+from engine import folder_context_length
+from inference.admin.lists import WideListMixin
+from inference.models import ERROR_DEFAULT_MUST_BE_ENABLED, ModelEntry
+from inference.services.engines import get_engine_client, registry_changed
+from inference.services.registry import model_set_default, model_spec
+
+STATUS_LABELS = {
+    "serving": "serving",
+    "loading": "loading",
+    "failed": "load failed",
+    "stopped": "stopped (engine died)",
+    "draining": "draining (its engine workers are shutting down)",
+    "not_loaded": "not loaded",
+}
+
+
+@admin.register(ModelEntry)
+class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
+    list_display = [
+        "name",
+        "enabled",
+        "is_default",
+        "kind",
+        "engine",
+        "context",
+        "status",
+        "cache",
+    ]
+    list_editable = ["enabled"]
+    list_filter = ["enabled", "kind", "engine"]
+    search_fields = ["name", "path"]
+    actions = ["enable", "disable", "make_default", "reload", "clear_cache"]
+    readonly_fields = [
+        "is_default",
+        "status",
+        "load_error",
+        "cache_stats",
+        "created_at",
+        "updated_at",
+    ]
+    fieldsets = [
+        (None, {"fields": ["name", "kind", "path", "enabled", "is_default", "engine"]}),
+        ("Engine", {"fields": ["status", "load_error"]}),
+        ("Parsers", {"fields": ["tool_parser", "reasoning_parser"]}),
+        ("Generation", {"fields": ["context_length", "default_sampling"]}),
+        (
+            "Batching",
+            {
+                "fields": [
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "max_waiting",
+                    "speculative_tokens",
+                    "draft_model",
+                ]
+            },
+        ),
+        (
+            "Memory and prefix cache",
+            {
+                "fields": [
+                    "prefill_chunk_tokens",
+                    "memory_budget_bytes",
+                    "prefix_cache_bytes",
+                    "cache_stats",
+                ]
+            },
+        ),
+        (None, {"fields": ["created_at", "updated_at"]}),
+    ]
+
+    @admin.display(description="context", ordering="context_length")
+    def context(self, obj: ModelEntry) -> str:
+        if obj.context_length:
+            return f"{obj.context_length:,}"
+        own = folder_context_length(obj.path)
+        return f"{own:,} (model's own)" if own else "-"
+
+    @admin.display(description="engine status")
+    def status(self, obj: ModelEntry) -> str:
+        """What this web process's engine serves under the name (its own view: each process
+        runs its own engines)."""
+        if obj.pk is None:
+            return "-"
+        status = get_engine_client().model_status(obj.name)
+        text = STATUS_LABELS.get(status.state, status.state)
+        if status.state == "serving" and status.loading is not None:
+            text += ", reloading"
+        if status.error and status.state != "failed":
+            text += ", last reload failed"
+        return text
+
+    @admin.display(description="last load error")
+    def load_error(self, obj: ModelEntry) -> str:
+        if obj.pk is None:
+            return "-"
+        status = get_engine_client().model_status(obj.name)
+        if not status.error:
+            return "-"
+        when = datetime.datetime.fromtimestamp(status.failed_at, tz=datetime.UTC)
+        return f"{status.error} (at {when:%Y-%m-%d %H:%M:%S} UTC, path {status.failed_spec.path})"
+
+    @admin.display(description="prefix cache")
+    def cache(self, obj: ModelEntry) -> str:
+        stats = self._cache_stats(obj)
+        if stats is None:
+            return "-"
+        rate = f", {stats['hits'] / stats['lookups']:.0%} hits" if stats["lookups"] else ""
+        return f"{_megabytes(stats['bytes'])} of {_megabytes(stats['max_bytes'])}{rate}"
+
+    @admin.display(description="prefix cache statistics")
+    def cache_stats(self, obj: ModelEntry) -> str:
+        stats = self._cache_stats(obj)
+        if stats is None:
+            return "- (the model is not loaded in this process, or has no prefix cache)"
+        return (
+            f"{stats['nodes']:,} entries, {_megabytes(stats['bytes'])} of "
+            f"{_megabytes(stats['max_bytes'])}; {stats['lookups']:,} lookups, "
+            f"{stats['hits']:,} hits, {stats['hit_tokens']:,} prompt tokens not recomputed; "
+            f"{stats['evictions']:,} evictions ({_megabytes(stats['evicted_bytes'])})"
+        )
+
+    def _cache_stats(self, obj: ModelEntry) -> dict | None:
+        if obj.pk is None:
+            return None
+        status = get_engine_client().model_status(obj.name)
+        return status.stats.prefix_cache if status.stats and status.stats.prefix_cache else None
+
+    @admin.action(description="Clear the prefix cache of selected models", permissions=["change"])
+    def clear_cache(self, request, queryset):
+        client = get_engine_client()
+        freed = sum(client.clear_prefix_cache(entry.name) for entry in queryset)
+        self.message_user(request, f"Freed {_megabytes(freed)} of prefix cache.")
+
+    @admin.action(
+        description="Reload selected models (retries a failed load)", permissions=["change"]
+    )
+    def reload(self, request, queryset):
+        client = get_engine_client()
+        entries = list(queryset.filter(enabled=True))
+        for entry in entries:
+            client.start_loading(model_spec(entry), force=True)
+        self.message_user(
+            request,
+            f"Loading {len(entries)} model(s); each keeps serving its current version until the "
+            "new one is ready. The engine status column shows how it went.",
+        )
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        transaction.on_commit(registry_changed)
+
+    def delete_model(self, request, obj):
+        super().delete_model(request, obj)
+        transaction.on_commit(registry_changed)
+
+    def delete_queryset(self, request, queryset):
+        super().delete_queryset(request, queryset)
+        transaction.on_commit(registry_changed)
+
+    @admin.action(description="Enable selected models", permissions=["change"])
+    def enable(self, request, queryset):
+        self.message_user(request, f"Enabled {queryset.update(enabled=True)} model(s).")
+        transaction.on_commit(registry_changed)
+
+    @admin.action(description="Disable selected models", permissions=["change"])
+    def disable(self, request, queryset):
+        if queryset.filter(is_default=True).exists():
+            self.message_user(request, ERROR_DEFAULT_MUST_BE_ENABLED, messages.WARNING)
+        count = queryset.filter(is_default=False).update(enabled=False)
+        self.message_user(request, f"Disabled {count} model(s).")
+        transaction.on_commit(registry_changed)
+
+    @admin.action(description="Make the selected model the default", permissions=["change"])
+    def make_default(self, request, queryset):
+        if queryset.count() != 1:
+            self.message_user(request, "Select exactly one model.", messages.ERROR)
+            return
+        entry = queryset.get()
+        if not entry.enabled:
+            self.message_user(
+                request, f"Enable {entry} before making it the default.", messages.ERROR
+            )
+            return
+        model_set_default(entry=entry)
+        self.message_user(request, f"{entry} is now the default model.")
+
+
+def _megabytes(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:,.1f} MB"
