@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from engine.client import EngineClient
-from engine.models.embeddings import Embedders, EmbeddingInfo
 from engine.protocol import (
+    EmbeddingInfo,
     EngineStats,
     GenerationOutput,
     GenerationRequest,
@@ -65,7 +65,6 @@ class _LoopMailbox:
 
 class LocalEngineClient(EngineClient):
     def __init__(self, worker: EngineWorker | None = None):
-        self.embedders = Embedders()
         self.worker = worker or EngineWorker()
         self.renderer = PromptRenderer()
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox] = (
@@ -167,16 +166,15 @@ class LocalEngineClient(EngineClient):
         flight and join each engine thread, waiting at most `timeout` seconds for each."""
         self.worker.shutdown(timeout)
         self.renderer.close()
-        self.embedders.stop()
 
     async def embedding_model(self, spec: ModelSpec) -> EmbeddingInfo:
-        return (await asyncio.to_thread(self.embedders.get, spec.name, spec.path)).info
+        return await asyncio.wrap_future(self.worker.serve(spec))
 
     async def tokenize(self, model: str, texts: list[str]) -> list[list[int]]:
-        return await asyncio.to_thread(self.embedders.running(model).tokenize, texts)
+        return await asyncio.to_thread(self.worker.embedder(model).tokenize, texts)
 
     async def embed(self, model: str, token_ids: list[list[int]]) -> np.ndarray:
-        return await asyncio.wrap_future(self.embedders.running(model).submit(token_ids))
+        return await asyncio.wrap_future(self.worker.embed(model, token_ids))
 
 
 def _report_load(name: str, future: concurrent.futures.Future) -> None:

@@ -1,7 +1,11 @@
 """EngineWorker: owns the loaded models, one engine thread per model.
 
-Thread-safe and synchronous; engine/local.py adapts it to asyncio. A model is loaded on its own
-engine thread, so that thread is the only one that ever touches the model's MLX arrays.
+Thread-safe and synchronous; engine/local.py adapts it to asyncio, and a `runengine` process
+serves one to the web processes. A model is loaded on its own engine thread, so that thread is
+the only one that ever touches the model's MLX arrays. A chat model (`ModelSpec.kind` "chat") is
+served by an EngineLoop, an embedding model by an EmbeddingEngine (engine/core/embedding.py):
+both follow one lifecycle (start, ready, drain, stop, ended), so loading, replacing, retiring,
+restarting and `status` are the same for both.
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.batched import BatchedEngine
+from engine.core.embedding import EmbeddingEngine
 from engine.core.loop import EngineLoop, describe
 from engine.core.request import Emit
 from engine.core.simple import SimpleEngine
+from engine.models.embeddings import EmbeddingModel
 from engine.models.loader import LoadedModel, load_model
 from engine.protocol import (
+    EmbeddingInfo,
     EngineStats,
     GenerationRequest,
     ModelInfo,
@@ -40,10 +47,17 @@ RESTART_DELAYS_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
 RESTART_RESET_S = 60.0
 
 Loader = Callable[[ModelSpec], LoadedModel]
+EmbeddingLoader = Callable[[ModelSpec], EmbeddingModel]
+Engine = EngineLoop | EmbeddingEngine
+Info = ModelInfo | EmbeddingInfo
 
 
 def load_spec(spec: ModelSpec) -> LoadedModel:
     return load_model(spec.path, name=spec.name, context_length=spec.context_length)
+
+
+def load_embedding_spec(spec: ModelSpec) -> EmbeddingModel:
+    return EmbeddingModel(spec.path, name=spec.name)
 
 
 @dataclass(frozen=True)
@@ -55,49 +69,55 @@ class _Failure:
 
 
 class EngineWorker:
-    """Serve models by name. `loader` turns a spec into a LoadedModel (tests pass prebuilt ones).
+    """Serve models by name. `loader` turns a chat spec into a LoadedModel, `embedding_loader`
+    an embedding spec into an EmbeddingModel (tests pass prebuilt ones).
 
     A changed spec for a served name loads beside the old engine, which keeps serving until the
     new one is ready; then the new one takes the name and the old one drains (finishes what it
     has in flight, refusing new work) and stops. A spec that fails to load never replaces a
     working engine: the old one keeps serving and the failure is kept for `status`. Nothing here
     waits for an engine thread except `unload` and `shutdown`, so the event loop can call
-    `load`, `serve`, `get`, `submit` and `abort`.
+    `load`, `serve`, `get`, `submit`, `embed` and `abort`.
     """
 
     def __init__(
-        self, *, loader: Loader = load_spec, engines: dict[str, type[EngineLoop]] | None = None
+        self,
+        *,
+        loader: Loader = load_spec,
+        embedding_loader: EmbeddingLoader = load_embedding_spec,
+        engines: dict[str, type[EngineLoop]] | None = None,
     ):
         self._loader = loader
+        self._embedding_loader = embedding_loader
         self._engine_classes = engines or ENGINES
-        self._engines: dict[str, EngineLoop] = {}  # serving (or dead after serving) per name
-        self._loading: dict[str, tuple[EngineLoop, concurrent.futures.Future[ModelInfo]]] = {}
+        self._engines: dict[str, Engine] = {}  # serving (or dead after serving) per name
+        self._loading: dict[str, tuple[Engine, concurrent.futures.Future[Info]]] = {}
         self._failures: dict[str, _Failure] = {}  # the last failed load per name
-        self._retired: list[EngineLoop] = []  # replaced engines, possibly still draining
+        self._retired: list[Engine] = []  # replaced engines, possibly still draining
         self._restarts: dict[str, tuple[int, float]] = {}  # name -> (deaths in a row, last at)
         self._closed = False
         self._lock = threading.Lock()
 
-    def load(self, spec: ModelSpec, *, force: bool = False) -> concurrent.futures.Future[ModelInfo]:
+    def load(self, spec: ModelSpec, *, force: bool = False) -> concurrent.futures.Future[Info]:
         """Start serving `spec` (replacing another spec of that name); resolves once it serves,
         or with the load's exception. Retries a failed spec at once; with `force`, loads a fresh
         engine even when `spec` already serves (its files changed on disk, say)."""
         with self._lock:
             return _mirror(self._load_locked(spec, force=force))
 
-    def serve(self, spec: ModelSpec) -> concurrent.futures.Future[ModelInfo]:
+    def serve(self, spec: ModelSpec) -> concurrent.futures.Future[Info]:
         """The info a request for `spec.name` is validated against, without waiting for a
-        reload: while any engine serves the name, at once (a different `spec` starts loading
-        beside it); otherwise once `spec` has loaded. A spec whose load failed less than
-        LOAD_RETRY_AFTER_S ago is not tried again: ModelLoadError, unless an older engine
-        still serves."""
+        reload: while an engine of the spec's kind serves the name, at once (a different `spec`
+        starts loading beside it); otherwise once `spec` has loaded. A spec whose load failed
+        less than LOAD_RETRY_AFTER_S ago is not tried again: ModelLoadError, unless an older
+        engine still serves."""
         with self._lock:
             current = self._engines.get(spec.name)
             failure = self._failures.get(spec.name)
             recent = (
                 failure is not None and failure.spec == spec and time.monotonic() < failure.retry_at
             )
-            if current is not None and current.is_serving:
+            if current is not None and current.is_serving and current.spec.kind == spec.kind:
                 if current.spec == spec:
                     # The registry is back on the serving spec: an older failure is moot.
                     self._failures.pop(spec.name, None)
@@ -105,33 +125,39 @@ class EngineWorker:
                     self._load_locked(spec)
                 return _resolved(current.info)
             if recent:
-                future: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+                future: concurrent.futures.Future[Info] = concurrent.futures.Future()
                 future.set_exception(ModelLoadError(failure.error))
                 return future
             return _mirror(self._load_locked(spec))
 
     def _load_locked(
         self, spec: ModelSpec, *, force: bool = False
-    ) -> concurrent.futures.Future[ModelInfo]:
-        if spec.engine not in self._engine_classes:
-            raise ValueError(
-                f"unknown engine {spec.engine!r}; choose from {sorted(self._engine_classes)}"
-            )
+    ) -> concurrent.futures.Future[Info]:
         current = self._engines.get(spec.name)
         if current is not None and current.spec == spec and current.is_serving and not force:
             return _resolved(current.info)
         loading = self._loading.get(spec.name)
         if loading is not None and loading[0].spec == spec:
             return loading[1]
-        engine = self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
+        engine = self._new_engine(spec)
         # Resolved only after the swap, so whoever waits on it finds the new engine.
-        swapped: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+        swapped: concurrent.futures.Future[Info] = concurrent.futures.Future()
         self._loading[spec.name] = (engine, swapped)
         engine.ready.add_done_callback(lambda _: self._swap(engine, swapped))
         engine.start()
         return swapped
 
-    def _swap(self, engine: EngineLoop, swapped: concurrent.futures.Future[ModelInfo]) -> None:
+    def _new_engine(self, spec: ModelSpec) -> Engine:
+        """An engine for `spec`, not started (nothing loads until `start`)."""
+        if spec.kind == "embedding":
+            return EmbeddingEngine(spec, lambda: self._embedding_loader(spec))
+        if spec.engine not in self._engine_classes:
+            raise ValueError(
+                f"unknown engine {spec.engine!r}; choose from {sorted(self._engine_classes)}"
+            )
+        return self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
+
+    def _swap(self, engine: Engine, swapped: concurrent.futures.Future[Info]) -> None:
         name, error = engine.spec.name, engine.ready.exception()
         with self._lock:
             loading = self._loading.get(name)
@@ -159,7 +185,7 @@ class EngineWorker:
         else:
             swapped.set_result(engine.ready.result())
 
-    def _ended(self, engine: EngineLoop, error: str | None) -> None:
+    def _ended(self, engine: Engine, error: str | None) -> None:
         """An engine's loop ended: if it died while serving its name, start it again (its
         in-flight requests have ended with "error"), sooner the first time."""
         if error is None:
@@ -178,7 +204,7 @@ class EngineWorker:
         timer.daemon = True
         timer.start()
 
-    def _restart(self, engine: EngineLoop) -> None:
+    def _restart(self, engine: Engine) -> None:
         with self._lock:
             if self._closed or self._engines.get(engine.spec.name) is not engine:
                 return  # replaced, unloaded or shut down meanwhile
@@ -242,11 +268,25 @@ class EngineWorker:
             engines = [*self._engines.values(), *self._retired]
         return all(not e.is_alive() or not e.has_requests() for e in engines)
 
-    def get(self, name: str) -> EngineLoop:
-        """The engine serving `name`, once its model has loaded."""
+    def engine(self, name: str) -> Engine:
+        """The engine serving `name`, of either kind, once its model has loaded."""
         engine = self._engines.get(name)
         if engine is None or not engine.is_serving:
             raise ModelNotLoadedError(f"The model {name!r} is not loaded.")
+        return engine
+
+    def get(self, name: str) -> EngineLoop:
+        """The engine serving the chat model `name`, once its model has loaded."""
+        engine = self.engine(name)
+        if not isinstance(engine, EngineLoop):
+            raise ModelNotLoadedError(f"The model {name!r} is not a chat model.")
+        return engine
+
+    def embedder(self, name: str) -> EmbeddingEngine:
+        """The engine serving the embedding model `name`, once its model has loaded."""
+        engine = self.engine(name)
+        if not isinstance(engine, EmbeddingEngine):
+            raise ModelNotLoadedError(f"The model {name!r} is not an embedding model.")
         return engine
 
     def names(self) -> list[str]:
@@ -271,11 +311,15 @@ class EngineWorker:
     def compile_grammar(self, model: str, grammar: str) -> None:
         self.get(model).compile_grammar(grammar)
 
+    def embed(self, model: str, token_ids: list[list[int]]) -> concurrent.futures.Future:
+        """The (inputs, dimensions) float32 vectors of an embedding model for `token_ids`."""
+        return self.embedder(model).submit(token_ids)
+
     def abort(self, model: str, request_id: str) -> None:
         # A draining engine may still hold the request.
         engines = [self._engines.get(model)] + [e for e in self._retired if e.spec.name == model]
         for engine in engines:
-            if engine is not None:
+            if isinstance(engine, EngineLoop):
                 engine.abort(request_id)
 
     def stats(self) -> list[EngineStats]:
@@ -295,12 +339,12 @@ class EngineWorker:
             engine.stop(timeout)
 
 
-def _mirror(future: concurrent.futures.Future[ModelInfo]) -> concurrent.futures.Future[ModelInfo]:
+def _mirror(future: concurrent.futures.Future[Info]) -> concurrent.futures.Future[Info]:
     """A future of the caller's own that follows `future`: one waiter giving up (cancelling
     its future, as asyncio does when a client leaves) never cancels the load for the others."""
-    mirror: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+    mirror: concurrent.futures.Future[Info] = concurrent.futures.Future()
 
-    def follow(done: concurrent.futures.Future[ModelInfo]) -> None:
+    def follow(done: concurrent.futures.Future[Info]) -> None:
         try:
             if done.cancelled():
                 mirror.cancel()
@@ -315,7 +359,7 @@ def _mirror(future: concurrent.futures.Future[ModelInfo]) -> concurrent.futures.
     return mirror
 
 
-def _resolved(info: ModelInfo) -> concurrent.futures.Future[ModelInfo]:
-    future: concurrent.futures.Future[ModelInfo] = concurrent.futures.Future()
+def _resolved(info: Info) -> concurrent.futures.Future[Info]:
+    future: concurrent.futures.Future[Info] = concurrent.futures.Future()
     future.set_result(info)
     return future

@@ -16,6 +16,29 @@ from django.db import connections
 from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
 
+# Tests whose outcome does not depend on the Python interpreter, marked `once`: CI runs them on
+# its first Python only (`make test-interpreter` leaves them out on the second). What they test
+# runs outside Python or is the same bytes whatever runs it: pages in Chromium, the Codex CLI
+# (Node.js), the C kernels' numerics, the docs. Each native kernel keeps a per-interpreter
+# smoke test outside this list where Python's ABI is involved (the MLX extension).
+ONCE = (
+    "tests/browser/",
+    "tests/docs/",
+    "tests/inference/api/test_codex.py",
+    "tests/engine/test_activation_kernel.py",
+    "tests/engine/test_attention_kernel.py",
+    "tests/engine/test_blas.py",
+    "tests/engine/test_sgemm.py",
+    "tests/engine/test_rope_kernel.py",
+)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.relative_to(ROOT).as_posix().startswith(ONCE):
+            item.add_marker(pytest.mark.once)
+
 
 @pytest.fixture(scope="session")
 def live_server_url(django_db_setup, tmp_path_factory):
@@ -42,6 +65,14 @@ def smollm2_path() -> Path:
     if not (folder / "config.json").exists():
         convert_gguf(default_gguf_path(), folder, dtype="float32")
     return folder
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """The default embedding model, all-MiniLM-L6-v2, extracted once per cache."""
+    from engine.models.embeddings import default_embedding_folder
+
+    return default_embedding_folder(Path(settings.ORCHARD_HOME) / "cache" / "test-models")
 
 
 @pytest.fixture

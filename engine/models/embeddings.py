@@ -1,25 +1,16 @@
 """Embedding models: a BERT-family sentence encoder in MLX (sentence-transformers folders such as
-all-MiniLM-L6-v2), pooled and normalised as the folder's sentence-transformers modules say,
-serving concurrent requests with batched forwards.
+all-MiniLM-L6-v2), pooled and normalised as the folder's sentence-transformers modules say.
+engine/core/embedding.py serves one to concurrent requests with batched forwards.
 
 The encoder is written here rather than taken from `mlx-embeddings`: its 0.1.0 imports mlx-vlm
 at package import, and with it datasets, opencv, pandas, pyarrow, mlx-audio and sounddevice, for
 an encoder of a hundred lines. Weights load by their Hugging Face names, float32.
-
-`EmbeddingEngine` owns one thread for the model's MLX work. Requests queue; the thread takes
-every request waiting (up to `MAX_BATCH_SEQUENCES` sequences), sorts their sequences by length
-and runs them in padded batches of similar length (a mask hides the padding), so concurrent
-callers share forwards, and hands each caller its own vectors.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import logging
 import math
-import queue
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,12 +22,8 @@ import mlx.nn as nn
 import numpy as np
 from tokenizers import Tokenizer
 
-from engine.protocol import EmbeddingInfo, EmbeddingLoadError, ModelNotLoadedError
+from engine.protocol import EmbeddingInfo, EmbeddingLoadError
 
-logger = logging.getLogger(__name__)
-
-MAX_BATCH_SEQUENCES = 64
-MAX_BATCH_TOKENS = 8192  # padded tokens in one forward
 NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 
 
@@ -136,7 +123,9 @@ class EmbeddingModel:
                 raise EmbeddingLoadError(f"not a BERT encoder: {config.get('model_type')}")
             self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
             weights = mx.load(str(path / "model.safetensors"))
-        except (OSError, KeyError, ValueError) as exc:
+        except EmbeddingLoadError:
+            raise
+        except Exception as exc:  # missing or corrupt files: MLX and tokenizers raise their own
             raise EmbeddingLoadError(f"cannot load the embedding model in {path}: {exc}") from exc
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
@@ -206,145 +195,6 @@ def _sentence_transformers_config(path: Path) -> tuple[str, bool, int | None]:
     if bert_config.exists():
         max_length = json.loads(bert_config.read_text()).get("max_seq_length")
     return pooling, normalize, max_length
-
-
-class EmbeddingEngine:
-    """One embedding model served from its own thread, batching whatever is waiting."""
-
-    def __init__(self, model: EmbeddingModel):
-        self.model = model
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.num_forwards = 0
-        self._stopped = False
-        self._thread = threading.Thread(
-            target=self._main, name=f"orchard-embed-{model.info.name}", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def info(self) -> EmbeddingInfo:
-        return self.model.info
-
-    def submit(self, token_ids: Sequence[Sequence[int]]) -> concurrent.futures.Future:
-        """Queue inputs (thread-safe); the future's result is their (n, dimensions) vectors."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((list(token_ids), future))
-        if self._stopped:
-            self._fail_queued()
-        return future
-
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.model.tokenize(texts)  # the tokenizers library is thread-safe
-
-    def stop(self) -> None:
-        """End the thread; requests still queued (or submitted later) fail rather than wait."""
-        self._stopped = True
-        self._queue.put(None)
-        self._thread.join(timeout=10)
-        self._fail_queued()
-
-    def _fail_queued(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None and item[1].set_running_or_notify_cancel():
-                item[1].set_exception(ModelNotLoadedError("The embedding model was replaced."))
-
-    def _main(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            work = [item]
-            num_sequences = len(item[0])
-            while num_sequences < MAX_BATCH_SEQUENCES:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._queue.put(None)
-                    break
-                work.append(more)
-                num_sequences += len(more[0])
-            self._run([w for w in work if w[1].set_running_or_notify_cancel()])
-
-    def _run(self, work: list[tuple[list[list[int]], concurrent.futures.Future]]) -> None:
-        flat = [(w, row) for w, (token_ids, _) in enumerate(work) for row in range(len(token_ids))]
-        order = sorted(flat, key=lambda wr: len(work[wr[0]][0][wr[1]]))
-        vectors: dict[tuple[int, int], np.ndarray] = {}
-        try:
-            start = 0
-            while start < len(order):
-                end = start + 1
-                while end < len(order) and end - start < MAX_BATCH_SEQUENCES:
-                    longest = len(work[order[end][0]][0][order[end][1]])
-                    if longest * (end - start + 1) > MAX_BATCH_TOKENS:
-                        break
-                    end += 1
-                batch = order[start:end]
-                out = self.model.embed([work[w][0][row] for w, row in batch])
-                self.num_forwards += 1
-                for position, key in enumerate(batch):
-                    vectors[key] = out[position]
-                start = end
-        except Exception as exc:
-            logger.exception("embedding forward failed")
-            for _, future in work:
-                future.set_exception(exc)
-            return
-        for w, (token_ids, future) in enumerate(work):
-            future.set_result(np.stack([vectors[(w, row)] for row in range(len(token_ids))]))
-
-
-class Embedders:
-    """The embedding engines of a process by model name (thread-safe): loaded on first use,
-    replaced when the registry points the name at another folder."""
-
-    def __init__(self) -> None:
-        self._engines: dict[str, tuple[str, EmbeddingEngine]] = {}
-        self._lock = threading.Lock()
-        self._loading: dict[str, threading.Lock] = {}
-
-    def get(self, name: str, path: str) -> EmbeddingEngine:
-        """The engine serving `path` as `name`, loading it (in this thread) if needed;
-        EmbeddingLoadError if it cannot load."""
-        with self._lock:
-            current = self._engines.get(name)
-            if current is not None and current[0] == path:
-                return current[1]
-            loading = self._loading.setdefault(name, threading.Lock())
-        with loading:
-            with self._lock:
-                current = self._engines.get(name)
-                if current is not None and current[0] == path:
-                    return current[1]
-            loaded = EmbeddingEngine(EmbeddingModel(path, name=name))
-            with self._lock:
-                old, self._engines[name] = self._engines.get(name), (path, loaded)
-            if old is not None:
-                old[1].stop()
-            return loaded
-
-    def is_serving(self, name: str, path: str) -> bool:
-        with self._lock:
-            current = self._engines.get(name)
-        return current is not None and current[0] == path
-
-    def running(self, name: str) -> EmbeddingEngine:
-        with self._lock:
-            current = self._engines.get(name)
-        if current is None:
-            raise ModelNotLoadedError(f"The embedding model {name!r} is not loaded.")
-        return current[1]
-
-    def stop(self) -> None:
-        with self._lock:
-            engines, self._engines = list(self._engines.values()), {}
-        for _, running in engines:
-            running.stop()
 
 
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"

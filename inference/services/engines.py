@@ -3,13 +3,12 @@ client of `runengine` workers), and how the engines follow the registry."""
 
 import atexit
 import logging
-import threading
 from collections.abc import Callable
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from engine import EngineClient
+from engine import EngineClient, ModelSpec
 
 logger = logging.getLogger(__name__)
 _client: EngineClient | None = None
@@ -63,13 +62,13 @@ def remote_client() -> EngineClient:
     )
 
 
-def enabled_chat_specs() -> list:
-    """The registry's enabled chat models as engine specs."""
+def enabled_specs() -> list[ModelSpec]:
+    """The registry's enabled models, chat and embedding, as engine specs."""
     from inference.models import ModelEntry
     from inference.services.registry import model_spec
 
-    entries = ModelEntry.objects.filter(enabled=True, kind=ModelEntry.Kind.CHAT)
-    return [model_spec(entry) for entry in entries.select_related("draft_model")]
+    entries = ModelEntry.objects.filter(enabled=True).select_related("draft_model")
+    return [model_spec(entry) for entry in entries]
 
 
 def registry_changed() -> None:
@@ -81,7 +80,7 @@ def registry_changed() -> None:
     if _client is None and settings.ORCHARD_ENGINE == "local":
         return
     try:
-        specs = enabled_chat_specs()
+        specs = enabled_specs()
         get_engine_client().place_models(specs, load_new=settings.ORCHARD_PRELOAD_MODELS)
     except Exception:
         logger.exception("the engines could not follow the registry change")
@@ -90,31 +89,16 @@ def registry_changed() -> None:
 def preload_models() -> None:
     """Start loading every enabled model at web-process start, without waiting: the server
     listens at once, and a request that arrives first waits for its model's load. A model that
-    cannot load is logged and answers 503 on its requests."""
-    from inference.models import ModelEntry
-    from inference.services.registry import model_spec
-
+    cannot load is logged and answers 503 on its requests. Remote workers place the registry's
+    models themselves."""
+    if settings.ORCHARD_ENGINE == "remote":
+        return
     try:
-        entries = list(ModelEntry.objects.filter(enabled=True).select_related("draft_model"))
+        specs = enabled_specs()
     except Exception:
         logger.warning("model preload skipped: the database is not ready (run migrate)")
         return
     client = get_engine_client()
-    remote = settings.ORCHARD_ENGINE == "remote"
-    for entry in entries:
-        if remote and entry.kind == ModelEntry.Kind.CHAT:
-            continue  # the workers place chat models themselves
-        logger.info("loading model %s from %s", entry.name, entry.path)
-        if entry.kind == ModelEntry.Kind.EMBEDDING:
-            threading.Thread(
-                target=_load_embedding, args=(client, entry.name, entry.path), daemon=True
-            ).start()
-        else:
-            client.start_loading(model_spec(entry))
-
-
-def _load_embedding(client, name: str, path: str) -> None:
-    try:
-        client.embedders.get(name, path)
-    except Exception as exc:
-        logger.error("embedding model %s could not be loaded: %s", name, exc)
+    for spec in specs:
+        logger.info("loading model %s from %s", spec.name, spec.path)
+        client.start_loading(spec)

@@ -1,11 +1,11 @@
 """Worker heartbeats in Redis: what each worker serves, its load and its cache use.
 
 A beat is a small JSON document under `{namespace}:worker:{id}` with a time to live, listed in
-the set `{namespace}:workers`; the models' `ModelInfo` (larger, and fixed while a spec serves)
-sit under `{namespace}:info:{id}:{model}`. Readers judge liveness by their own clock: a worker
-whose beat number has not moved for the timeout is dead, whatever the clocks of the machines
-say. Beats are state, not messages, so they live in plain keys rather than on the channel
-layer (whose messages expire and can be dropped).
+the set `{namespace}:workers`; the models' `ModelInfo` or `EmbeddingInfo` (larger, and fixed
+while a spec serves) sit under `{namespace}:info:{id}:{model}`. Readers judge liveness by
+their own clock: a worker whose beat number has not moved for the timeout is dead, whatever the
+clocks of the machines say. Beats are state, not messages, so they live in plain keys rather
+than on the channel layer (whose messages expire and can be dropped).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from engine import EngineStats, ModelInfo, ModelSpec, ModelStatus
+from engine import EmbeddingInfo, EngineStats, ModelInfo, ModelSpec, ModelStatus
 
 
 @dataclass
@@ -123,7 +123,12 @@ class BeatStore:
             await pipe.execute()
 
     async def publish_info(
-        self, worker_id: str, version: str, spec: ModelSpec, info: ModelInfo, ttl_s: float
+        self,
+        worker_id: str,
+        version: str,
+        spec: ModelSpec,
+        info: ModelInfo | EmbeddingInfo,
+        ttl_s: float,
     ) -> None:
         data = json.dumps({"version": version, "spec": spec.to_dict(), "info": info.to_dict()})
         await self._aredis().set(self._info_key(worker_id, spec.name), data, px=int(ttl_s * 1000))
@@ -167,12 +172,15 @@ class BeatStore:
             await srem(self._set, *gone)  # expired beats: those workers are gone
         return [WorkerBeat.from_json(v) for v in values if v is not None]
 
-    async def read_info(self, worker_id: str, model: str) -> tuple[str, ModelInfo] | None:
+    async def read_info(
+        self, worker_id: str, model: str
+    ) -> tuple[str, ModelInfo | EmbeddingInfo] | None:
         raw = await self._aredis().get(self._info_key(worker_id, model))
         if raw is None:
             return None
         data = json.loads(raw)
-        return data["version"], ModelInfo.from_dict(data["info"])
+        kind = EmbeddingInfo if data["spec"]["kind"] == "embedding" else ModelInfo
+        return data["version"], kind.from_dict(data["info"])
 
     async def aclose(self) -> None:
         if self._async is not None:

@@ -2,10 +2,11 @@
 
 Web → worker, on the worker's channel: `generate` (a GenerationRequest and the reply channel),
 `abort` (model and request id), `call` (an operation with a reply: render, detokenize,
-clear_cache), and, on the registry group every worker joins, `registry.changed`, `load` and
-`unload`. Worker → web, on the web process's reply channel: `events`, numbered per worker
-(`seq`) so the receiver can restore their order, each a list of `[kind, id, payload]`:
-`out` (a GenerationOutput), `rej` (a request refused before it ran), `res` (a call's result).
+clear_cache, tokenize, embed; server.py has them), and, on the registry group every worker
+joins, `registry.changed`, `load` and `unload`. Worker → web, on the web process's reply
+channel: `events`, numbered per worker (`seq`) so the receiver can restore their order, each a
+list of `[kind, id, payload]`: `out` (a GenerationOutput), `rej` (a request refused before it
+ran), `res` (a call's result; an embedding's vectors as float32 bytes).
 """
 
 from __future__ import annotations

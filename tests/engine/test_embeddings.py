@@ -1,8 +1,8 @@
 """The MLX sentence encoder (engine/models/embeddings.py) on the real all-MiniLM-L6-v2: equal to an
 independent NumPy BERT to 1e-4, padded batches equal to one input at a time, similar sentences
-closer than unrelated ones, concurrent requests share forwards and get their own rows."""
+closer than unrelated ones, folders that are not an encoder refused (the engine that serves one:
+test_embedding_engine.py)."""
 
-import concurrent.futures
 import json
 from pathlib import Path
 
@@ -10,12 +10,7 @@ import numpy as np
 import pytest
 from django.conf import settings
 
-from engine.models.embeddings import (
-    EmbeddingEngine,
-    EmbeddingLoadError,
-    EmbeddingModel,
-    default_embedding_folder,
-)
+from engine.models.embeddings import EmbeddingLoadError, EmbeddingModel, default_embedding_folder
 from tests.fixtures.bert_reference import ReferenceBert
 
 SENTENCES = [
@@ -59,28 +54,6 @@ def test_similar_sentences_score_higher_than_unrelated_ones(model):
     vectors = model.embed(model.tokenize(SENTENCES[:3]))
     similar, unrelated = vectors[0] @ vectors[1], vectors[0] @ vectors[2]
     assert similar > 0.5 > unrelated + 0.3
-
-
-def test_concurrent_requests_share_forwards_and_get_their_own_rows(model):
-    engine = EmbeddingEngine(model)
-    try:
-        requests = [model.tokenize([s]) for s in SENTENCES[:4]] * 8
-        futures = [engine.submit(ids) for ids in requests]
-        concurrent.futures.wait(futures, timeout=60)
-        alone = {tuple(ids[0]): model.embed(ids)[0] for ids in requests[:4]}
-        for ids, future in zip(requests, futures, strict=True):
-            assert np.abs(future.result()[0] - alone[tuple(ids[0])]).max() < 1e-5
-        assert engine.num_forwards < len(requests) // 2  # queued requests ran together
-    finally:
-        engine.stop()
-
-
-def test_requests_queued_when_an_engine_stops_fail_instead_of_waiting(model):
-    engine = EmbeddingEngine(model)
-    engine.stop()
-    future = engine.submit(model.tokenize(["late"]))
-    with pytest.raises(Exception, match="replaced"):
-        future.result(timeout=5)
 
 
 def test_a_folder_that_is_not_an_encoder_is_refused(tmp_path):

@@ -1,9 +1,11 @@
-"""LocalEngineClient end to end on a tiny model: loading, prompts, sampling options, errors."""
+"""LocalEngineClient end to end on a tiny model: loading, prompts, sampling options, errors; an
+embedding model served beside it."""
 
 import asyncio
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from engine.local import LocalEngineClient
@@ -237,3 +239,25 @@ async def test_placing_models_follows_the_registry_without_aborting_anyone(clien
     # load_new=False leaves names nothing serves to their first request.
     client.place_models([changed], load_new=False)
     assert client.worker.names() == []
+
+
+async def test_embedding_models_are_served_by_the_worker_beside_chat_models(client, minilm_path):
+    spec = ModelSpec(name="minilm", path=str(minilm_path), kind="embedding")
+    info = await client.embedding_model(spec)
+    assert (info.dimensions, info.context_length, info.vocab_size) == (384, 256, 30522)
+    assert client.model_status("minilm").state == "serving"
+    assert sorted(s.model for s in await client.stats()) == ["minilm", "tiny"]
+    ids = await client.tokenize("minilm", ["A man is playing a guitar.", "Stocks fell."])
+    vectors = await client.embed("minilm", ids)
+    assert vectors.shape == (2, 384) and vectors.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    # Each kind is asked for by its own calls.
+    with pytest.raises(ModelNotLoadedError):
+        await client.render_prompt("minilm", PromptInput(text="x"))
+    with pytest.raises(ModelNotLoadedError):
+        await client.embed("tiny", ids)
+    # The registry no longer lists it: retired like a chat model.
+    client.place_models([client.model_status("tiny").serving])
+    assert client.model_status("minilm").state == "not_loaded"
+    with pytest.raises(ModelNotLoadedError):
+        await client.embed("minilm", ids)

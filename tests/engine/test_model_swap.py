@@ -265,3 +265,14 @@ async def test_returning_to_the_serving_spec_clears_a_failed_reload(tiny_llama):
         assert client.model_status("tiny").error is None
     finally:
         await client.shutdown()
+
+
+async def test_a_name_that_becomes_an_embedding_model_waits_for_its_load(client, minilm_path):
+    old = client.worker.get("tiny")
+    spec = ModelSpec(name="tiny", path=str(minilm_path), kind="embedding")
+    # Not the chat model's info, which served the name until now: the encoder's, once loaded.
+    assert (await client.embedding_model(spec)).dimensions == 384
+    assert client.model_status("tiny").serving == spec
+    await eventually(lambda: not old.is_alive())
+    with pytest.raises(ModelNotLoadedError):
+        await client.render_prompt("tiny", PromptInput(text="x"))

@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
 from engine import EngineWorker
-from inference.services.engines import enabled_chat_specs
+from inference.services.engines import enabled_specs
 from inference.workers.beats import BeatStore
 from inference.workers.server import EngineServer
 
@@ -21,23 +21,24 @@ logger = logging.getLogger(__name__)
 def _registry_specs() -> list:
     close_old_connections()
     try:
-        return enabled_chat_specs()
+        return enabled_specs()
     finally:
         close_old_connections()
 
 
 class Command(BaseCommand):
     help = (
-        "Run an engine worker: serve the registry's enabled chat models (or --models) to the "
-        "web processes over the Channels layer on Redis. SIGTERM drains (finishes what runs, "
-        "takes nothing new, exits); a second SIGTERM or SIGINT aborts what is left."
+        "Run an engine worker: serve the registry's enabled models, chat and embedding (or "
+        "--models), to the web processes over the Channels layer on Redis. SIGTERM drains "
+        "(finishes what runs, takes nothing new, exits); a second SIGTERM or SIGINT aborts what "
+        "is left."
     )
 
     def add_arguments(self, parser):
         parser.add_argument(
             "--models",
             default="",
-            help="Comma-separated registry names to serve (default: every enabled chat model).",
+            help="Comma-separated registry names to serve (default: every enabled model).",
         )
         parser.add_argument("--worker-id", default=None, help="A name for this worker's beats.")
 

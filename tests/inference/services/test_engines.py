@@ -1,9 +1,13 @@
-"""The web process's engine: enabled models start loading at start-up, without blocking it."""
+"""The web process's engine: enabled models, chat and embedding, start loading at start-up,
+without blocking it."""
 
+import shutil
 import time
 
 import pytest
+from django.contrib import admin
 
+from engine import ModelLoadError
 from engine.local import LocalEngineClient
 from inference.models import ModelEntry
 from inference.services import engines
@@ -19,15 +23,19 @@ def fresh_client(monkeypatch):
 
 
 @pytest.mark.django_db
-def test_preload_starts_loading_enabled_models_only(fresh_client, tiny_model_path):
+def test_preload_starts_loading_enabled_models_only(fresh_client, tiny_model_path, minilm_path):
     enabled = model_register(name="pre", path=tiny_model_path)
     model_register(name="off", path=tiny_model_path)
     ModelEntry.objects.filter(name="off").update(enabled=False)
+    encoder = model_register(name="minilm", path=minilm_path, kind=ModelEntry.Kind.EMBEDDING)
     engines.preload_models()
     # The same spec returns the load already under way; it finishes with the model's info.
     info = fresh_client.worker.load(model_spec(enabled)).result(timeout=120)
     assert info.name == "pre"
-    assert [s.model for s in fresh_client.worker.stats()] == ["pre"]
+    # Embedding models load in the same worker, and the admin reads their state from it.
+    assert fresh_client.worker.load(model_spec(encoder)).result(timeout=120).dimensions == 384
+    assert sorted(s.model for s in fresh_client.worker.stats()) == ["minilm", "pre"]
+    assert admin.site._registry[ModelEntry].status(encoder) == "serving"
 
 
 @pytest.mark.django_db
@@ -85,3 +93,31 @@ def test_admin_changes_reach_the_engine_without_a_restart(
         )
     assert not ModelEntry.objects.get(name="live").enabled
     assert fresh_client.model_status("live").state == "not_loaded"
+
+
+@pytest.mark.django_db
+def test_the_admins_reload_retries_a_failed_embedding_model_at_once(
+    fresh_client, minilm_path, tmp_path
+):
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    folder = tmp_path / "encoder"
+    shutil.copytree(minilm_path, folder)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(b"not weights")
+    entry = model_register(name="encoder", path=folder, kind=ModelEntry.Kind.EMBEDDING)
+    with pytest.raises(ModelLoadError):
+        fresh_client.worker.load(model_spec(entry)).result(timeout=60)
+    assert fresh_client.model_status("encoder").state == "failed"
+    (folder / "model.safetensors").write_bytes(weights)  # the admin fixed the files
+    client = Client()
+    client.force_login(get_user_model().objects.create_superuser("root", "r@example.com", "pw"))
+    client.post(
+        "/admin/inference/modelentry/",
+        {"action": "reload", "_selected_action": [entry.pk], "index": 0},
+    )
+    deadline = time.monotonic() + 60
+    while fresh_client.model_status("encoder").state != "serving":
+        assert time.monotonic() < deadline, fresh_client.model_status("encoder")
+        time.sleep(0.05)

@@ -125,6 +125,22 @@ def served(layout, tiny_models):
     return tiny_models
 
 
+@pytest.fixture
+def embedded(layout, served, minilm_path):
+    """all-MiniLM-L6-v2 registered beside the tiny models, and both workers serving it."""
+    from engine.models.embeddings import DEFAULT_EMBEDDING_MODEL
+    from inference.models import ModelEntry
+    from inference.services.registry import model_register
+
+    model_register(name=DEFAULT_EMBEDDING_MODEL, path=minilm_path, kind=ModelEntry.Kind.EMBEDDING)
+    if layout.serving(DEFAULT_EMBEDDING_MODEL) != ["wa", "wb"]:
+        nudge(layout)
+        layout.wait_for(
+            lambda: layout.serving(DEFAULT_EMBEDDING_MODEL) == ["wa", "wb"], "both to embed"
+        )
+    return DEFAULT_EMBEDDING_MODEL
+
+
 def nudge(layout: Layout) -> None:
     """What an admin's change does: the workers read the registry now."""
     from asgiref.sync import async_to_sync

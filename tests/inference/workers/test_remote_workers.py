@@ -1,22 +1,26 @@
 """Engines in `runengine` worker processes, reached over the Channels layer on Redis: streaming,
 least-loaded routing, a worker killed mid-stream, a SIGTERM drain, cancellation across
-processes and the registry followed without a restart (real Redis, the test database: SQLite
-here, PostgreSQL in the PostgreSQL pass)."""
+processes, the registry followed without a restart, and embeddings served by the workers (equal
+to the in-process engine's, bad calls answered, a worker stopping mid-call a 503) (real Redis,
+the test database: SQLite here, PostgreSQL in the PostgreSQL pass)."""
 
 import asyncio
 import signal
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from inference.models import ModelEntry, UsageRecord
 from tests.inference.conftest import TINY
-from tests.inference.workers.conftest import nudge
+from tests.inference.workers.conftest import REDIS_URL, TIMEOUT_S, nudge
 
 pytestmark = [pytest.mark.redis, pytest.mark.django_db(transaction=True)]
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
+TEXTS = ["A man is playing a guitar.", "Someone is playing an instrument.", "Stocks fell today."]
 
 
 @pytest.fixture
@@ -218,7 +222,7 @@ def test_workers_follow_the_registry(layout, key):
     assert reply.usage.completion_tokens == 2
 
 
-def test_a_worker_serves_only_the_models_it_is_given(layout, served):
+def test_a_worker_serves_only_the_models_it_is_given(layout, embedded):
     layout.start_worker("wc", "--models", "something-else")
     try:
         nudge(layout)
@@ -226,5 +230,106 @@ def test_a_worker_serves_only_the_models_it_is_given(layout, served):
         beat = layout.beats()["wc"]
         assert beat.model_filter == ["something-else"]
         assert TINY not in beat.models and layout.serving(TINY) == ["wa", "wb"]
+        assert embedded not in beat.models and layout.serving(embedded) == ["wa", "wb"]
     finally:
         layout.workers.pop("wc").send_signal(signal.SIGTERM)
+
+
+def tokens_embedded(layout, model: str) -> int:
+    return sum(layout.stats(w, model).get("num_prompt_tokens", 0) for w in ("wa", "wb"))
+
+
+def test_embeddings_through_remote_workers_match_the_in_process_engine(
+    layout, embedded, key, live_server_url, minilm_path
+):
+    before = tokens_embedded(layout, embedded)
+    remote = client_for(layout, key).embeddings.create(model=embedded, input=TEXTS)
+    local = openai.OpenAI(base_url=f"{live_server_url}/v1", api_key=key, max_retries=0)
+    expected = np.array(
+        [d.embedding for d in local.embeddings.create(model=embedded, input=TEXTS).data]
+    )
+    vectors = np.array([d.embedding for d in remote.data])
+    assert vectors.shape == (3, 384) and np.abs(vectors - expected).max() < 1e-6
+    # Token ids go to a worker as they are.
+    tokenizer = Tokenizer.from_file(str(minilm_path / "tokenizer.json"))
+    tokenizer.no_padding()
+    ids = tokenizer.encode(TEXTS[0]).ids
+    by_ids = client_for(layout, key).embeddings.create(model=embedded, input=ids)
+    assert np.abs(np.array(by_ids.data[0].embedding) - vectors[0]).max() < 1e-6
+    # The workers ran the model, not the web process: their beats count every token of both.
+    layout.wait_for(
+        lambda: tokens_embedded(layout, embedded) - before == remote.usage.prompt_tokens + len(ids),
+        "the workers' beats to count the tokens",
+    )
+    rows = finished_rows(3)
+    assert [r.status for r in rows] == [UsageRecord.Status.COMPLETED] * 3
+    assert {r.endpoint for r in rows} == {"embeddings"}
+
+
+def test_a_worker_answers_bad_calls_with_errors_and_keeps_serving(layout, embedded):
+    from channels_redis.core import RedisChannelLayer
+
+    from inference.workers.wire import worker_channel
+
+    channel_layer = RedisChannelLayer(hosts=[{"address": REDIS_URL, "socket_timeout": 15}])
+    calls = {
+        "vocab": ("embed", {"model": embedded, "token_ids": [[101, 99999, 102]]}),
+        "ids": ("embed", {"model": embedded, "token_ids": "not token ids"}),
+        "texts": ("tokenize", {"model": embedded, "texts": [1, 2]}),
+        "chat": ("embed", {"model": TINY, "token_ids": [[1]]}),
+        "op": ("nope", {}),
+        "args": ("embed", ["not", "a", "mapping"]),
+        "good": ("embed", {"model": embedded, "token_ids": [[101, 7592, 102]]}),
+    }
+
+    async def exchange() -> dict:
+        worker = worker_channel(layout.namespace, "wa")
+        reply = await channel_layer.new_channel("test.reply")
+        await channel_layer.send(worker, {"type": "call", "op": "embed"})  # no one to answer
+        for call_id, (op, args) in calls.items():
+            message = {"type": "call", "op": op, "args": args, "reply": reply, "call_id": call_id}
+            await channel_layer.send(worker, message)
+        results: dict = {}
+        async with asyncio.timeout(30):
+            while len(results) < len(calls):
+                events = (await channel_layer.receive(reply))["events"]
+                results.update({ident: payload for kind, ident, payload in events if kind == "res"})
+        return results
+
+    results = asyncio.run(exchange())
+    kinds = {name: result["error"]["kind"] for name, result in results.items() if name != "good"}
+    assert kinds == {
+        "vocab": "invalid",
+        "ids": "invalid",
+        "texts": "invalid",
+        "chat": "not_loaded",
+        "op": "engine",
+        "args": "engine",
+    }
+    vectors = np.frombuffer(results["good"]["value"]["vectors"], dtype="<f4")
+    assert results["good"]["value"]["shape"] == [1, 384] and vectors.shape == (384,)
+    assert abs(np.linalg.norm(vectors) - 1.0) < 1e-5
+    assert layout.workers["wa"].poll() is None and "wa" in layout.serving(embedded)
+
+
+def test_a_worker_that_stops_mid_call_fails_the_request_with_a_503(layout, embedded, key):
+    stopped = ("wa", "wb")  # whichever the request goes to
+    for name in stopped:
+        layout.workers[name].send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        response = httpx.post(
+            f"{layout.url}/v1/embeddings",
+            json={"model": embedded, "input": [101, 7592, 102]},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        took = time.monotonic() - started
+    finally:
+        for name in stopped:
+            layout.workers[name].send_signal(signal.SIGCONT)
+    assert response.status_code == 503, response.text
+    assert "stopped responding" in response.json()["error"]["message"]
+    assert took < TIMEOUT_S + 4  # noticed by its beats, not by a call's timeout
+    assert [r.status for r in finished_rows(1)] == [UsageRecord.Status.FAILED]
+    layout.wait_for(lambda: layout.serving(embedded) == ["wa", "wb"], "both to beat again")
