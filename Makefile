@@ -8,22 +8,22 @@ MLX_BACKEND ?= auto
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core, at most 4 (each runs its own live servers).
 PYTEST_WORKERS ?= auto
-# The gateway tests run a second time on PostgreSQL (row locks and concurrency on the production
-# database). Set TEST_POSTGRES_URL= (empty) to skip that pass where no PostgreSQL runs.
+# The tests of the database's own behaviour (row locks, concurrent admissions, budgets, usage
+# roll-ups) run a second time on PostgreSQL, the production database. Set TEST_POSTGRES_URL=
+# (empty) to skip that pass where no PostgreSQL runs.
 TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/orchard
 GATEWAY_TESTS := tests/accounts tests/inference/services/test_usage.py \
   tests/inference/services/test_registry.py tests/inference/api/test_limits.py \
   tests/inference/api/test_limits_redis.py
-# The scaled-out layout (runengine workers, a remote web process, Redis) runs on PostgreSQL,
-# the database it is deployed on; without a PostgreSQL pass it runs on SQLite with the rest.
-WORKER_TESTS := tests/inference/workers
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.orchard-installed
 # uv installs the pinned requirements (a fresh venv in seconds instead of minutes with pip).
 UV_VERSION := 0.13.9
 UV := $(VENV)/bin/uv
-PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --durations=25 $(PYTEST_ARGS)
+# A test file runs in one process (--dist loadfile): its module-scoped servers start once.
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile --durations=25 \
+  $(PYTEST_ARGS)
 UNAME := $(shell uname -s)
 
 ifeq ($(MLX_BACKEND),auto)
@@ -68,11 +68,9 @@ test-deps: setup
 	@sh scripts/ensure_node_clients.sh
 
 test: test-deps lint
-ifneq ($(TEST_POSTGRES_URL),)
-	$(PYTEST) --ignore=$(WORKER_TESTS)
-	DATABASE_URL=$(TEST_POSTGRES_URL) $(PYTEST) $(GATEWAY_TESTS) $(WORKER_TESTS)
-else
 	$(PYTEST)
+ifneq ($(TEST_POSTGRES_URL),)
+	DATABASE_URL=$(TEST_POSTGRES_URL) $(PYTEST) $(GATEWAY_TESTS)
 endif
 
 # The tests whose outcome depends on the Python interpreter: all but those marked `once` (a
@@ -83,7 +81,7 @@ test-interpreter: test-deps
 
 lint: setup
 	$(PY) -m ruff check .
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports --no-logo
 
 bench-engine: setup
 	$(PY) bench/engine.py

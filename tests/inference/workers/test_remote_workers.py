@@ -1,8 +1,8 @@
 """Engines in `runengine` worker processes, reached over the Channels layer on Redis: streaming,
 least-loaded routing, a worker killed mid-stream, a SIGTERM drain, cancellation across
 processes, the registry followed without a restart, and embeddings served by the workers (equal
-to the in-process engine's, bad calls answered, a worker stopping mid-call a 503) (real Redis,
-the test database: SQLite here, PostgreSQL in the PostgreSQL pass)."""
+to the in-process engine's, bad calls answered, a worker stopping mid-call a 503), on the real
+Redis and the test database."""
 
 import asyncio
 import signal
