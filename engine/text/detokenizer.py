@@ -19,7 +19,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tokenizers import decoders
 
 _TOKEN_INFO: weakref.WeakKeyDictionary[Any, _TokenizerInfo] = weakref.WeakKeyDictionary()
@@ -93,6 +92,10 @@ class _TokenizerInfo:
 
 
 def _info(tokenizer: Any) -> _TokenizerInfo:
+    # Imported here: mlx-lm imports MLX, and a web process that only parses replies (its
+    # engines in other processes) never needs it.
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
     hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
     info = _TOKEN_INFO.get(hf)
     if info is None:

@@ -7,6 +7,7 @@ import time
 import pytest
 from asgiref.sync import sync_to_async
 
+from common import request_threads
 from common.request_threads import ExecutorPool, detach, in_own_thread
 
 
@@ -106,6 +107,9 @@ async def test_detached_work_closes_its_threads_expired_connections(monkeypatch)
         wrappers.append(wrapper)
 
     monkeypatch.setitem(connections["default"].settings_dict, "CONN_MAX_AGE", 0)
+    # A fresh pool: a pooled thread an earlier test used in this process may hold a connection
+    # opened under the settings' CONN_MAX_AGE (600 on SQLite), which is not expired yet.
+    monkeypatch.setattr(request_threads, "executors", ExecutorPool())
     await detach(sync_to_async(touch_database)())
     assert wrappers and wrappers[0] is not connections["default"]
     for _ in range(100):  # closed after the task, on its thread

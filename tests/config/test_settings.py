@@ -1,44 +1,35 @@
 """Settings read from the environment: every SQLite database gets the settings that keep
-concurrent writers from failing, however it was configured."""
+concurrent writers from failing, however it was configured.
 
-import json
-import os
-import subprocess
-import sys
+Each test runs a fresh copy of config/settings.py under its own environment (runpy, in this
+process: the settings are what the module computes from the environment at import, and a
+subprocess per case only added an interpreter start); the suite's own settings are untouched."""
+
+import runpy
 from pathlib import Path
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-PRINT_DATABASE = (
-    "import json, django; from django.conf import settings; django.setup(); "
-    "print(json.dumps(settings.DATABASES['default'], default=str))"
-)
+SETTINGS = Path(__file__).resolve().parent.parent.parent / "config" / "settings.py"
 
 
-def database_settings(tmp_path, **env) -> dict:
-    base = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
-    result = subprocess.run(
-        [sys.executable, "-c", PRINT_DATABASE],
-        cwd=ROOT,
-        env={
-            **base,
-            "ORCHARD_HOME": str(tmp_path),
-            "DJANGO_SETTINGS_MODULE": "config.settings",
-            **env,
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def settings_module(monkeypatch, tmp_path, **env) -> dict:
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.setenv("ORCHARD_HOME", str(tmp_path))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return runpy.run_path(str(SETTINGS))
+
+
+def database_settings(monkeypatch, tmp_path, **env) -> dict:
+    return settings_module(monkeypatch, tmp_path, **env)["DATABASES"]["default"]
 
 
 @pytest.mark.parametrize("url", [None, "sqlite:///{home}/other.sqlite3"])
-def test_every_sqlite_database_gets_wal_immediate_and_a_busy_timeout(tmp_path, url):
+def test_every_sqlite_database_gets_wal_immediate_and_a_busy_timeout(monkeypatch, tmp_path, url):
     env = {"DATABASE_URL": url.format(home=tmp_path)} if url else {}
-    database = database_settings(tmp_path, **env)
+    database = database_settings(monkeypatch, tmp_path, **env)
     assert database["ENGINE"] == "django.db.backends.sqlite3"
     options = database["OPTIONS"]
     assert options["transaction_mode"] == "IMMEDIATE"
@@ -48,27 +39,15 @@ def test_every_sqlite_database_gets_wal_immediate_and_a_busy_timeout(tmp_path, u
     assert Path(database["NAME"]) == expected
 
 
-def test_postgres_gets_no_sqlite_options(tmp_path):
-    database = database_settings(tmp_path, DATABASE_URL="postgres://u@127.0.0.1:5432/x")
+def test_postgres_gets_no_sqlite_options(monkeypatch, tmp_path):
+    database = database_settings(
+        monkeypatch, tmp_path, DATABASE_URL="postgres://u@127.0.0.1:5432/x"
+    )
     assert "transaction_mode" not in database.get("OPTIONS", {})
     assert database["CONN_MAX_AGE"] == 0
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
-def test_a_render_timeout_must_be_a_positive_number(tmp_path, value):
-    base = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
-    result = subprocess.run(
-        [sys.executable, "-c", PRINT_DATABASE],
-        cwd=ROOT,
-        env={
-            **base,
-            "ORCHARD_HOME": str(tmp_path),
-            "DJANGO_SETTINGS_MODULE": "config.settings",
-            "ORCHARD_RENDER_TIMEOUT_SECONDS": value,
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert "ORCHARD_RENDER_TIMEOUT_SECONDS" in result.stderr
+def test_a_render_timeout_must_be_a_positive_number(monkeypatch, tmp_path, value):
+    with pytest.raises(ImproperlyConfigured, match="ORCHARD_RENDER_TIMEOUT_SECONDS"):
+        settings_module(monkeypatch, tmp_path, ORCHARD_RENDER_TIMEOUT_SECONDS=value)

@@ -7,8 +7,10 @@ from dataclasses import replace
 
 import pytest
 
+from engine.core import batched
 from engine.core.batched import BatchedEngine
 from engine.core.draft_model import DraftModelError
+from engine.models.loader import load_model
 from engine.protocol import SamplingParams
 from tests.engine.conftest import drive, greedy, make_request, manual_engine
 from tests.engine.test_identity import assert_same_events
@@ -17,6 +19,24 @@ from tests.fixtures.tiny_models import build_tiny_model
 
 def llama_path():
     return str(build_tiny_model(model_type="llama", tokenizer="qwen3"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def draft_models_load_once(tiny_qwen3_next):
+    """The engine loads its draft model from the spec's path as always; a path this file
+    loaded before is served from here (a load is ~2 s, most of it the tokenizer). The hybrid
+    model's path is the suite's already loaded one."""
+    hybrid = str(build_tiny_model(model_type="qwen3_next", tokenizer="qwen3"))
+    loaded = {hybrid: tiny_qwen3_next}
+
+    def load_once(path):
+        if str(path) not in loaded:
+            loaded[str(path)] = load_model(path)
+        return loaded[str(path)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batched, "load_model", load_once)
+        yield
 
 
 def engine_with(loaded, draft_path: str | None, **kwargs) -> BatchedEngine:

@@ -219,22 +219,26 @@ def test_the_default_model_greedy_tokens_are_the_same_with_and_without_it(smollm
 
     loaded = load_model(smollm2_path, name="smollm2")
     rng = np.random.default_rng(6)
-    # Real text's continuations (the model's own top-2 gaps), a batch of 4 (sgemm's fast
-    # paths) and one of 33 rows (past its default 32: the library's), 8 tokens each, EOS
-    # ignored.
+    # Real text's continuations (the model's own top-2 gaps), 8 tokens each in a batch of 4
+    # (sgemm's fast paths), EOS ignored; then steps of 33 rows (past its default 32: the
+    # library's) from short prompts: the library computes their large products both ways, so
+    # 3 tokens show the hand-over and the smaller products kept beside it.
     tokenizer = loaded.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
     prompts = [tokenizer.encode(t) for t in texts]
-    prompts += [[int(t) for t in rng.integers(100, 49000, 12)] for _ in range(29)]
+    many = [[int(t) for t in rng.integers(100, 49000, 3)] for _ in range(33)]
 
     def run() -> list[list[int]]:
-        requests = [
-            make_request(f"r{i}", p, greedy(8, ignore_eos=True)) for i, p in enumerate(prompts)
-        ]
-        small = run_batched(loaded, requests[:4])
-        large = run_batched(loaded, requests)
-        return [small.tokens(f"r{i}") for i in range(4)] + [
-            large.tokens(f"r{i}") for i in range(len(prompts))
+        small = run_batched(
+            loaded,
+            [make_request(f"t{i}", p, greedy(8, ignore_eos=True)) for i, p in enumerate(prompts)],
+        )
+        large = run_batched(
+            loaded,
+            [make_request(f"r{i}", p, greedy(3, ignore_eos=True)) for i, p in enumerate(many)],
+        )
+        return [small.tokens(f"t{i}") for i in range(len(prompts))] + [
+            large.tokens(f"r{i}") for i in range(len(many))
         ]
 
     assert blas.sgemm_fast()

@@ -1,11 +1,13 @@
 """Fixtures for the /v1 tests: keys, registered models and official OpenAI clients against the
-live daphne server."""
+live daphne server, and the scripted daphne."""
 
 import openai
 import pytest
 
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
 from inference.services.registry import model_register
+from tests.fixtures.daphne import stop_daphne
+from tests.inference.api.responses.scripted import start_scripted
 
 TINY = "tiny-chat"
 TINY_SIMPLE = "tiny-chat-simple"
@@ -43,3 +45,13 @@ def client(live_server_url, api_key) -> openai.OpenAI:
 @pytest.fixture
 def async_client(live_server_url, api_key) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{live_server_url}/v1", api_key=api_key, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def scripted_url(django_db_setup, tmp_path_factory):
+    """The scripted daphne (tests/fixtures/scripted_daphne.py) playing every script of
+    tests/inference/api/responses/scripted.py, started once per test process and shared by the
+    files that need forced replies; like the live server, it shares the test database."""
+    process, url = start_scripted(tmp_path_factory.mktemp("scripted"))
+    yield url
+    stop_daphne(process)

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from inference.models import UsageRecord
+from inference.services.registry import model_register
 from inference.workers.beats import BeatStore
 from tests.fixtures.daphne import ROOT, free_port, server_env
 from tests.inference.conftest import TINY
@@ -58,9 +59,12 @@ def accepts(port: int) -> bool:
 @pytest.mark.redis
 @pytest.mark.timeout(180)
 def test_the_procfile_serves_a_chat_completion_through_an_engine_worker(
-    tiny_models, make_key, tmp_path
+    tiny_model_path, make_key, tmp_path
 ):
-    key = make_key()  # the model and the key are committed before the processes start
+    # Committed before the processes start: the one model the test needs (a worker loads every
+    # enabled model), and the key.
+    model_register(name=TINY, path=tiny_model_path, make_default=True)
+    key = make_key()
     namespace = f"procfile{os.getpid()}"
     env_file = tmp_path / "orchard.env"
     env_file.write_text(

@@ -11,12 +11,10 @@ import pytest
 
 from inference.models import UsageRecord
 from inference.services.registry import model_register
-from tests.fixtures.daphne import stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
-from tests.inference.api.responses.scripted import start_scripted
+from tests.inference.api.responses.scripted import MODEL
 from tests.inference.api.test_chat import finished_row
 
-MODEL = "tiny-qwen3-anthropic"
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city.",
@@ -35,13 +33,6 @@ CITY_SCHEMA = {
 }
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 STREAM_ORDER = ["message_start", "ping", "content_block_start"]
-
-
-@pytest.fixture(scope="module")
-def scripted_url(django_db_setup, tmp_path_factory):
-    process, url = start_scripted(tmp_path_factory.mktemp("anthropic"))
-    yield url
-    stop_daphne(process)
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from tests.inference.conftest import TINY, TINY_SIMPLE
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
-def expected_prompt_tokens(**kwargs) -> int:
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir("qwen3")))
+def expected_prompt_tokens(tokenizer, **kwargs) -> int:
     text = tokenizer.apply_chat_template(
         MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs
     )
@@ -22,8 +21,9 @@ def expected_prompt_tokens(**kwargs) -> int:
 
 @pytest.fixture(scope="module")
 def counts():
-    thinking_off = expected_prompt_tokens(enable_thinking=False)
-    default = expected_prompt_tokens()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir("qwen3")))
+    thinking_off = expected_prompt_tokens(tokenizer, enable_thinking=False)
+    default = expected_prompt_tokens(tokenizer)
     assert thinking_off > default  # the spy only works if the template reacts
     return default, thinking_off
 

@@ -195,12 +195,17 @@ def test_completions_suffix_is_a_clear_400(client):
     assert caught.value.body["param"] == "suffix"
 
 
-def test_overloaded_model_answers_503(live_server_url, api_key, tiny_model_path):
+def test_overloaded_model_answers_503(live_server_url, api_key, make_key, tiny_model_path):
+    from django.contrib.auth import get_user_model
+
     from inference.models import ModelEntry
     from inference.services.registry import model_register
 
     model_register(name="tiny-one-slot", path=tiny_model_path)
     ModelEntry.objects.filter(name="tiny-one-slot").update(max_num_seqs=1, max_waiting=1)
+    staff = {"Authorization": f"Bearer {make_key(username='ops', team='ops')}"}
+    get_user_model().objects.filter(username="ops").update(is_staff=True)
+    gauge = 'orchard_engine_waiting_requests{model="tiny-one-slot"}'
     body = {
         "model": "tiny-one-slot",
         "messages": MESSAGES,
@@ -215,9 +220,13 @@ def test_overloaded_model_answers_503(live_server_url, api_key, tiny_model_path)
         ) as client:
             async with client.stream("POST", "/v1/chat/completions", json=body) as running:
                 assert running.status_code == 200
-                # The second request waits in the model's one-place queue...
+                # The second request waits in the model's one-place queue (the engine's gauge
+                # says when)...
                 queued = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-                await asyncio.sleep(1.0)
+                async with asyncio.timeout(30):
+                    while f"{gauge} 1.0" not in (await client.get("/metrics", headers=staff)).text:
+                        assert not queued.done()
+                        await asyncio.sleep(0.02)
                 # ...so a third one finds the queue full.
                 third = await client.post("/v1/chat/completions", json=body)
                 queued.cancel()

@@ -11,23 +11,25 @@ import random
 import httpx
 import pytest
 
+from inference.api.common import ERROR_UNPARSABLE
 from tests.inference.conftest import TINY
 
-# Both size fields, so that a mutation of one leaves the reply short (the other bounds it).
+# One token is enough to run a valid mutation end to end. Both size fields, so that a mutation
+# of one leaves the reply short (the other bounds it).
 CHAT = {
     "model": TINY,
     "messages": [{"role": "user", "content": "Hi"}],
-    "max_tokens": 2,
-    "max_completion_tokens": 2,
+    "max_tokens": 1,
+    "max_completion_tokens": 1,
     "temperature": 0,
 }
-COMPLETION = {"model": TINY, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+COMPLETION = {"model": TINY, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
 # The regex bounds the reply whatever a mutation does to max_output_tokens (a mutation that
 # drops it would otherwise generate the rest of the context).
 RESPONSE = {
     "model": TINY,
     "input": "Hi",
-    "max_output_tokens": 2,
+    "max_output_tokens": 1,
     "temperature": 0,
     "structured_outputs": {"regex": "ok"},
 }
@@ -36,6 +38,7 @@ RESPONSE = {
 DEEP = "[" * 5000 + "]" * 5000
 NESTED_OBJECTS = '{"a":' * 100 + "1" + "}" * 100
 HUGE_INT = "9" * 5000
+# Values every field is set to: the body parses, and the field's own validation decides.
 VALUES = [
     "null",
     "true",
@@ -44,18 +47,11 @@ VALUES = [
     "1.5",
     "1e308",
     "-1e308",
-    "1e400",
-    "-1e400",
-    "NaN",
-    "Infinity",
-    "-Infinity",
-    HUGE_INT,
-    "-" + HUGE_INT,
     str(2**63),
     str(2**64 + 1),
     '""',
     '"x"',
-    json.dumps("\u0000\ud800" * 3),
+    json.dumps("\u0000x"),
     json.dumps("a" * 20000),
     "[]",
     "[1, 2, 3]",
@@ -65,6 +61,19 @@ VALUES = [
     "{}",
     '{"a": 1}',
     '{"type": "function"}',
+]
+# Values the strict JSON parser refuses (inference/api/jsonbody.py) before any field is read,
+# whatever field holds them: each is tried in one field, a different one for each, and must be
+# refused as unparsable (which is what makes trying it in every field redundant).
+UNPARSABLE = [
+    "1e400",
+    "-1e400",
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    HUGE_INT,
+    "-" + HUGE_INT,
+    json.dumps("\u0000\ud800" * 3),
     DEEP,
     NESTED_OBJECTS,
 ]
@@ -207,15 +216,19 @@ MESSAGE_VARIANTS = [
 ]
 
 
+def with_field(base: dict, name: str, value: str) -> str:
+    """`base` as JSON text with field `name` set to the raw JSON `value` (moved to the end)."""
+    rest = json.dumps({k: v for k, v in base.items() if k != name})
+    return rest[:-1] + f', "{name}": {value}}}' if rest != "{}" else f'{{"{name}": {value}}}'
+
+
+def unparsable_bodies(base: dict, fields: list[str]) -> list[str]:
+    return [with_field(base, fields[i % len(fields)], v) for i, v in enumerate(UNPARSABLE)]
+
+
 def bodies(base: dict, fields: list[str]) -> list[str]:
     """Every field of `base` set to every value, plus unknown fields and broken documents."""
-    out = []
-    for name in fields:
-        for value in VALUES:
-            rest = json.dumps({k: v for k, v in base.items() if k != name})
-            out.append(
-                rest[:-1] + f', "{name}": {value}}}' if rest != "{}" else f'{{"{name}": {value}}}'
-            )
+    out = [with_field(base, name, value) for name in fields for value in VALUES]
     text = json.dumps(base)
     out += [text[:cut] for cut in range(1, len(text), max(1, len(text) // 12))]
     out += [
@@ -286,6 +299,11 @@ def test_malformed_bodies_never_give_a_5xx(http, path, base, fields):
         statuses.append(response.status_code)
     for raw in (b"\xff\xfe{", b'{"model": "\xff"}', b"\x00" * 64):
         check(http.post(path, content=raw), repr(raw), anthropic=anthropic)
+    for body in unparsable_bodies(base, fields):
+        response = http.post(path, content=body.encode("utf-8", errors="surrogatepass"))
+        check(response, body, anthropic=anthropic)
+        assert response.status_code == 400, body[:300]
+        assert response.json()["error"]["message"].startswith(ERROR_UNPARSABLE), body[:300]
     assert statuses.count(400) > len(cases) // 2  # the fuzz really reached validation
     assert 200 in statuses  # ...and some mutations are valid requests that ran
     # The server is still whole.

@@ -46,7 +46,20 @@ NEIGHBOURS = [
 ]
 
 
-def test_a_one_token_prompt_beside_longer_ones_changes_nothing(http):
+@pytest.fixture(scope="module")
+def alone_texts() -> list[str]:
+    """The neighbours' greedy texts, each run alone, measured once for the module: every test
+    compares with the same texts, so each also shows that the tests before it changed nothing."""
+    return []
+
+
+async def neighbours_alone(client: httpx.AsyncClient, texts: list[str]) -> list[str]:
+    if not texts:
+        texts += [await streamed_text(client, body) for body in NEIGHBOURS]
+    return texts
+
+
+def test_a_one_token_prompt_beside_longer_ones_changes_nothing(http, alone_texts):
     mixed = {**GREEDY, "prompt": [[1000, 2000, 3000, 4000], [5000], [6000, 7000, 8000]]}
 
     async def scenario():
@@ -55,16 +68,16 @@ def test_a_one_token_prompt_beside_longer_ones_changes_nothing(http):
                 (await completion_texts(client, {**GREEDY, "prompt": [p]}))[0]
                 for p in mixed["prompt"]
             ]
-            neighbours_alone = [await streamed_text(client, body) for body in NEIGHBOURS]
+            before = await neighbours_alone(client, alone_texts)
             together, *neighbours = await asyncio.gather(
                 completion_texts(client, mixed),
                 *(streamed_text(client, body) for body in NEIGHBOURS),
             )
-            return alone, neighbours_alone, together, neighbours
+            return alone, before, together, neighbours
 
-    alone, neighbours_alone, together, neighbours = asyncio.run(scenario())
+    alone, before, together, neighbours = asyncio.run(scenario())
     assert together == alone
-    assert neighbours == neighbours_alone
+    assert neighbours == before
 
 
 @pytest.mark.parametrize(
@@ -79,12 +92,14 @@ def test_a_one_token_prompt_beside_longer_ones_changes_nothing(http):
         ("prompt", [2**40]),
     ],
 )
-def test_token_ids_outside_the_vocabulary_are_a_400_and_hurt_nobody(http, field, value):
+def test_token_ids_outside_the_vocabulary_are_a_400_and_hurt_nobody(
+    http, alone_texts, field, value
+):
     bad = {**GREEDY, "prompt": "Hello", "min_tokens": 4, field: value}
 
     async def scenario():
         async with http() as client:
-            before = [await streamed_text(client, body) for body in NEIGHBOURS]
+            before = await neighbours_alone(client, alone_texts)
             *during, refused = await asyncio.gather(
                 *(streamed_text(client, body) for body in NEIGHBOURS),
                 client.post("/v1/completions", json=bad),

@@ -63,7 +63,7 @@ def test_max_parallel_holds_across_two_processes(two_servers, make_key, tiny_mod
         ]
         try:
             responses = await asyncio.gather(
-                *(clients[i % 2].post("/v1/chat/completions", json=body) for i in range(50))
+                *(clients[i % 2].post("/v1/chat/completions", json=body) for i in range(20))
             )
         finally:
             for client in clients:
@@ -78,7 +78,7 @@ def test_max_parallel_holds_across_two_processes(two_servers, make_key, tiny_mod
             client.delete(name)
     admitted = statuses.count(200)
     assert admitted >= 2
-    assert statuses.count(429) == 50 - admitted
+    assert statuses.count(429) == 20 - admitted
     completed = list(UsageRecord.objects.filter(status=UsageRecord.Status.COMPLETED))
     assert len(completed) == admitted
     assert {r.request_id for r in completed}  # rows from both processes land in one database

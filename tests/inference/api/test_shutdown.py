@@ -8,13 +8,17 @@ import httpx
 import pytest
 
 from inference.models import UsageRecord
+from inference.services.registry import model_register
 from inference.services.settlement import ERROR_SERVER_SHUTDOWN
 from tests.fixtures.daphne import free_port, server_env, start_daphne
 from tests.inference.conftest import TINY
 
 
 @pytest.mark.django_db(transaction=True)
-def test_sigterm_mid_stream_exits_and_finishes_the_usage_row(api_key, tmp_path):
+def test_sigterm_mid_stream_exits_and_finishes_the_usage_row(make_key, tiny_model_path, tmp_path):
+    # The one model the test needs: the server loads every enabled model as it starts.
+    model_register(name=TINY, path=tiny_model_path, make_default=True)
+    api_key = make_key()
     port = free_port()
     server = start_daphne(port=port, env=server_env(), log_path=tmp_path / "server.log")
     try:

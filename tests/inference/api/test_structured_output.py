@@ -14,7 +14,7 @@ import pytest
 from inference.parsers.json_prefix import INITIAL, advance_text
 from inference.services.registry import model_register
 from tests.fixtures.tiny_models import build_tiny_model
-from tests.inference.conftest import TINY, TINY_SIMPLE
+from tests.inference.conftest import TINY
 
 PERSON = {
     "type": "object",
@@ -64,10 +64,11 @@ def check_person(text: str, finish_reason: str) -> None:
     jsonschema.validate(json.loads(text), PERSON)
 
 
-@pytest.mark.parametrize("model", [TINY, TINY_SIMPLE])
-def test_json_schema_replies_validate(client, model):
+# On the batched engine: that the simple engine applies a grammar the same way, token for token,
+# tests/engine/test_grammar.py proves (test_constrained_rows_leave_free_rows_unchanged_and_...).
+def test_json_schema_replies_validate(client):
     completion = client.chat.completions.create(
-        model=model,
+        model=TINY,
         messages=ASK,
         response_format=SCHEMA_FORMAT,
         n=3,
@@ -165,25 +166,27 @@ def test_responses_text_format_json_schema(client):
     jsonschema.validate(json.loads(response.output_text), PERSON)
 
 
-def forced_calls(client, model, tool_choice, seeds=range(6), **kwargs):
-    for seed in seeds:
-        choice = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Anything."}],
-            tools=TOOLS,
-            tool_choice=tool_choice,
-            temperature=1.0,
-            seed=seed,
-            max_tokens=200,
-            **kwargs,
-        ).choices[0]
+def forced_calls(client, model, tool_choice, samples=6, **kwargs):
+    """The calls of `samples` replies sampled at once (n choices, each its own draw)."""
+    choices = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Anything."}],
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        temperature=1.0,
+        seed=0,
+        n=samples,
+        max_tokens=200,
+        **kwargs,
+    ).choices
+    assert len(choices) == samples
+    for choice in choices:
         assert choice.finish_reason == "tool_calls", choice
         yield choice.message.tool_calls
 
 
-@pytest.mark.parametrize("model", [TINY, TINY_SIMPLE])
-def test_tool_choice_required_always_yields_a_parsed_call(client, model):
-    for calls in forced_calls(client, model, "required"):
+def test_tool_choice_required_always_yields_a_parsed_call(client):
+    for calls in forced_calls(client, TINY, "required"):
         assert calls
         for call in calls:
             tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
@@ -204,7 +207,7 @@ def test_forced_tool_calls_in_llama3_syntax(client):
         path=build_tiny_model(model_type="llama", tokenizer="llama3_1"),
         tool_parser="llama3_json",
     )
-    for calls in forced_calls(client, "tiny-llama3-forced", "required", seeds=range(4)):
+    for calls in forced_calls(client, "tiny-llama3-forced", "required", samples=4):
         assert calls and {c.function.name for c in calls} <= {"get_weather", "get_time"}
 
 
@@ -274,7 +277,7 @@ def test_forced_tool_calls_in_harmony(client):
         name="tiny-gpt-oss-forced", path=build_tiny_model(model_type="llama", tokenizer="gptoss")
     )
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for calls in forced_calls(client, "tiny-gpt-oss-forced", named, seeds=range(2)):
+    for calls in forced_calls(client, "tiny-gpt-oss-forced", named, samples=2):
         [call] = calls
         assert call.function.name == "get_weather"
         assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome", "Oslo")

@@ -9,13 +9,11 @@ import openai
 import pytest
 
 from inference.services.registry import model_register
-from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
-from tests.inference.api.responses.scripted import HARMONY_SCRIPTS
+from tests.inference.api.responses.scripted import CALL_PARIS, GPT_OSS
+from tests.inference.api.responses.scripted import MODEL as QWEN
 
-QWEN = "tiny-qwen3-tools"
 LLAMA = "tiny-llama3-tools"
-GPT_OSS = "tiny-gpt-oss-tools"
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -29,41 +27,8 @@ WEATHER_TOOL = {
     },
 }
 TOOLS = [WEATHER_TOOL]
-CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-CALL_ROME = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
-SCRIPTS = [
-    {
-        "trigger": "weather in Paris",
-        "text": "<think>\nThe user wants the weather.\n</think>\n\nLet me check." + CALL_PARIS,
-    },
-    {"trigger": "Sunny, 21", "text": "It is sunny and 21 °C in Paris."},
-    {"trigger": "two cities", "text": CALL_PARIS + "\n" + CALL_ROME},
-    {"trigger": "broken call", "text": "<tool_call>\n{not json}\n</tool_call>"},
-    {"trigger": "no thinking please", "text": "Just the answer."},
-    *HARMONY_SCRIPTS,
-    {
-        "trigger": "llama weather",
-        "text": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
-    },
-]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def scripted_url(django_db_setup, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("scripted")
-    scripts = folder / "scripts.json"
-    scripts.write_text(json.dumps(SCRIPTS))
-    port = free_port()
-    env = {**server_env(), "ORCHARD_TEST_SCRIPTS": str(scripts)}
-    process = start_daphne(
-        port=port,
-        env=env,
-        log_path=folder / "server.log",
-        module="tests.fixtures.scripted_daphne",
-    )
-    yield f"http://127.0.0.1:{port}"
-    stop_daphne(process)
+# Its script (TOOL_CALL_SCRIPTS in responses/scripted.py) says something before the call.
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
 @pytest.fixture
@@ -272,7 +237,7 @@ def test_langchain_drives_a_tool_loop(tools_client, scripted_url):
         max_tokens=200,
         max_retries=0,
     ).bind_tools([get_weather])
-    messages = [HumanMessage("What is the weather in Paris?")]
+    messages = [HumanMessage(ASK[0]["content"])]
     reply = llm.invoke(messages)
     assert [(c["name"], c["args"]) for c in reply.tool_calls] == [
         ("get_weather", {"city": "Paris"})

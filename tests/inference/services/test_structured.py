@@ -2,6 +2,8 @@
 the model's own call text through the real tokenizer (token by token, added tokens as
 tokens), and refused schemas or grammars name their field."""
 
+import functools
+
 import llguidance
 import llguidance.hf
 import pytest
@@ -50,15 +52,20 @@ CALLS = [
 ]
 
 
+@functools.cache
+def tokenizers(name: str) -> tuple:
+    """The real tokenizer and llguidance's view of it, built once per tokenizer (~2 s each,
+    mostly llguidance's): the parsers that share a tokenizer share them, as a model's do."""
+    hf = AutoTokenizer.from_pretrained(str(build_tiny_model(model_type="llama", tokenizer=name)))
+    return hf, llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))
+
+
 @pytest.mark.parametrize(("tokenizer", "parser", "text"), CALLS)
 def test_forced_call_grammars_accept_the_models_own_calls(tokenizer, parser, text):
-    hf = AutoTokenizer.from_pretrained(
-        str(build_tiny_model(model_type="llama", tokenizer=tokenizer))
-    )
+    hf, ll_tokenizer = tokenizers(tokenizer)
     grammar = tool_call_grammar(
         parser, [WEATHER, TIME], parallel=True, added_tokens=hf.get_added_vocab()
     )
-    ll_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))
     matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
     ids = hf.encode(text, add_special_tokens=False)
     assert not matcher.is_error(), matcher.get_error()

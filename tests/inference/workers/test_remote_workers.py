@@ -2,7 +2,12 @@
 least-loaded routing, a worker killed mid-stream, a SIGTERM drain, cancellation across
 processes, the registry followed without a restart, and embeddings served by the workers (equal
 to the in-process engine's, bad calls answered, a worker stopping mid-call a 503), on the real
-Redis and the test database."""
+Redis and the test database.
+
+The tests share one layout, in an order that spares it work: the registry test after those of
+embeddings (a nudge after it would load the tiny model again, on the registry's default spec),
+and those that end a worker last, each leaving the others serving: a worker started with
+--models joins the two, the drain ends one of the three, the kill one of the two left."""
 
 import asyncio
 import signal
@@ -15,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from inference.models import ModelEntry, UsageRecord
-from tests.inference.conftest import TINY
+from tests.inference.conftest import TINY, TINY_SIMPLE
 from tests.inference.workers.conftest import REDIS_URL, TIMEOUT_S, nudge
 
 pytestmark = [pytest.mark.redis, pytest.mark.django_db(transaction=True)]
@@ -67,7 +72,8 @@ def test_streaming_through_a_remote_worker_matches_the_in_process_engine(
 
 
 def test_requests_go_to_the_least_loaded_worker(layout, key):
-    before = {w: layout.stats(w, TINY).get("num_generated_tokens", 0) for w in ("wa", "wb")}
+    workers = layout.live(TINY)
+    before = {w: layout.stats(w, TINY).get("num_generated_tokens", 0) for w in workers}
 
     async def burst():
         async with openai.AsyncOpenAI(
@@ -78,7 +84,7 @@ def test_requests_go_to_the_least_loaded_worker(layout, key):
                     client.chat.completions.create(
                         model=TINY,
                         messages=MESSAGES,
-                        max_tokens=150,
+                        max_tokens=40,
                         extra_body={"ignore_eos": True},
                     )
                     for _ in range(8)
@@ -86,91 +92,15 @@ def test_requests_go_to_the_least_loaded_worker(layout, key):
             )
 
     replies = asyncio.run(burst())
-    assert all(r.usage.completion_tokens == 150 for r in replies)
+    assert all(r.usage.completion_tokens == 40 for r in replies)
 
     def counted():
-        after = {w: layout.stats(w, TINY).get("num_generated_tokens", 0) for w in ("wa", "wb")}
-        return {w: (after[w] - before[w]) / 150 for w in after}
+        after = {w: layout.stats(w, TINY).get("num_generated_tokens", 0) for w in workers}
+        return {w: (after[w] - before[w]) / 40 for w in after}
 
     layout.wait_for(lambda: sum(counted().values()) == 8, "both workers' beats to count")
     # Each request went where the fewest were: an even split of a burst.
-    assert counted() == {"wa": 4, "wb": 4}
-
-
-def test_a_worker_killed_mid_stream_fails_its_request_and_the_next_goes_elsewhere(layout, key):
-    client = client_for(layout, key)
-    stream = client.chat.completions.create(
-        model=TINY,
-        messages=MESSAGES,
-        max_tokens=4000,
-        extra_body={"ignore_eos": True},
-        stream=True,
-    )
-    seen = 0
-    started = None
-    with pytest.raises(openai.APIError) as failure:
-        for _chunk in stream:
-            seen += 1
-            if seen == 3:
-                layout.wait_for(
-                    lambda: [w for w in ("wa", "wb") if layout.stats(w, TINY).get("num_running")],
-                    "the stream's worker to report it",
-                )
-                busy = [w for w in ("wa", "wb") if layout.stats(w, TINY).get("num_running")]
-                assert len(busy) == 1
-                victim = busy[0]
-                layout.workers[victim].send_signal(signal.SIGKILL)
-                started = time.monotonic()
-    assert started is not None and time.monotonic() - started < 10
-    assert "engine failed" in str(failure.value)
-
-    rows = finished_rows(1)
-    assert [r.status for r in rows] == [UsageRecord.Status.FAILED]
-    assert 0 < rows[0].completion_tokens < 4000
-
-    # The dead worker has left routing: the next request runs on the other one at once.
-    reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=5)
-    assert reply.usage.completion_tokens == 5
-    layout.wait_for(lambda: victim not in layout.beats(), "the dead worker's beat to expire", 10)
-    layout.start_worker(victim)
-
-
-def test_sigterm_drains_a_worker(layout, key):
-    client = client_for(layout, key)
-    stream = client.chat.completions.create(
-        model=TINY,
-        messages=MESSAGES,
-        max_tokens=600,
-        extra_body={"ignore_eos": True},
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = []
-    for chunk in stream:
-        chunks.append(chunk)
-        if len(chunks) == 3:
-            layout.wait_for(
-                lambda: [w for w in ("wa", "wb") if layout.stats(w, TINY).get("num_running")],
-                "the stream's worker to report it",
-            )
-            draining = next(w for w in ("wa", "wb") if layout.stats(w, TINY).get("num_running"))
-            layout.workers[draining].send_signal(signal.SIGTERM)
-            layout.wait_for(
-                lambda w=draining: layout.beats()[w].draining, "the worker to say it drains"
-            )
-            # New requests go to the other worker while this one finishes its stream.
-            reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=3)
-            assert reply.usage.completion_tokens == 3
-            assert layout.workers[draining].poll() is None
-    # The stream ran to its end, untouched by the drain.
-    assert chunks[-1].usage.completion_tokens == 600
-    assert chunks[-2].choices[0].finish_reason == "length"
-    assert layout.workers[draining].wait(timeout=30) == 0
-    assert "stopped" in layout.log(draining)
-    layout.wait_for(lambda: draining not in layout.beats(), "the beat to be removed", 5)
-    rows = finished_rows(2)
-    assert {r.status for r in rows} == {UsageRecord.Status.COMPLETED}
-    layout.start_worker(draining)
+    assert counted() == dict.fromkeys(workers, 4)
 
 
 def test_a_client_leaving_aborts_the_request_in_the_worker(layout, key):
@@ -193,50 +123,15 @@ def test_a_client_leaving_aborts_the_request_in_the_worker(layout, key):
 
     asyncio.run(leave_early())
     left = time.monotonic()
-    layout.wait_for(
-        lambda: not any(layout.stats(w, TINY).get("num_running") for w in ("wa", "wb")),
-        "the workers to stop generating",
-        10,
-    )
+    layout.wait_for(lambda: not layout.running(TINY), "the workers to stop generating", 10)
     assert time.monotonic() - left < 3
     rows = finished_rows(1)
     assert [r.status for r in rows] == [UsageRecord.Status.CANCELLED]
     assert rows[0].completion_tokens < 4000
 
 
-def test_workers_follow_the_registry(layout, key):
-    client = client_for(layout, key)
-    # Disabled: both workers retire the model (its requests would finish first)...
-    ModelEntry.objects.filter(name=TINY).update(enabled=False)
-    nudge(layout)
-    layout.wait_for(lambda: layout.serving(TINY) == [], "the workers to retire it")
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
-    # ...enabled with another batch size: loaded again with the new spec, no restart.
-    ModelEntry.objects.filter(name=TINY).update(enabled=True, max_num_seqs=4)
-    nudge(layout)
-    layout.wait_for(lambda: layout.serving(TINY) == ["wa", "wb"], "the workers to serve it")
-    specs = {b.models[TINY].spec["max_num_seqs"] for b in layout.beats().values()}
-    assert specs == {4}
-    reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
-    assert reply.usage.completion_tokens == 2
-
-
-def test_a_worker_serves_only_the_models_it_is_given(layout, embedded):
-    layout.start_worker("wc", "--models", "something-else")
-    try:
-        nudge(layout)
-        time.sleep(1)
-        beat = layout.beats()["wc"]
-        assert beat.model_filter == ["something-else"]
-        assert TINY not in beat.models and layout.serving(TINY) == ["wa", "wb"]
-        assert embedded not in beat.models and layout.serving(embedded) == ["wa", "wb"]
-    finally:
-        layout.workers.pop("wc").send_signal(signal.SIGTERM)
-
-
 def tokens_embedded(layout, model: str) -> int:
-    return sum(layout.stats(w, model).get("num_prompt_tokens", 0) for w in ("wa", "wb"))
+    return sum(layout.stats(w, model).get("num_prompt_tokens", 0) for w in layout.live(model))
 
 
 def test_embeddings_through_remote_workers_match_the_in_process_engine(
@@ -282,8 +177,10 @@ def test_a_worker_answers_bad_calls_with_errors_and_keeps_serving(layout, embedd
         "good": ("embed", {"model": embedded, "token_ids": [[101, 7592, 102]]}),
     }
 
+    target = layout.live(embedded)[0]
+
     async def exchange() -> dict:
-        worker = worker_channel(layout.namespace, "wa")
+        worker = worker_channel(layout.namespace, target)
         reply = await channel_layer.new_channel("test.reply")
         await channel_layer.send(worker, {"type": "call", "op": "embed"})  # no one to answer
         for call_id, (op, args) in calls.items():
@@ -309,11 +206,11 @@ def test_a_worker_answers_bad_calls_with_errors_and_keeps_serving(layout, embedd
     vectors = np.frombuffer(results["good"]["value"]["vectors"], dtype="<f4")
     assert results["good"]["value"]["shape"] == [1, 384] and vectors.shape == (384,)
     assert abs(np.linalg.norm(vectors) - 1.0) < 1e-5
-    assert layout.workers["wa"].poll() is None and "wa" in layout.serving(embedded)
+    assert layout.workers[target].poll() is None and target in layout.serving(embedded)
 
 
 def test_a_worker_that_stops_mid_call_fails_the_request_with_a_503(layout, embedded, key):
-    stopped = ("wa", "wb")  # whichever the request goes to
+    stopped = layout.live(embedded)  # whichever the request goes to
     for name in stopped:
         layout.workers[name].send_signal(signal.SIGSTOP)
     try:
@@ -332,4 +229,105 @@ def test_a_worker_that_stops_mid_call_fails_the_request_with_a_503(layout, embed
     assert "stopped responding" in response.json()["error"]["message"]
     assert took < TIMEOUT_S + 4  # noticed by its beats, not by a call's timeout
     assert [r.status for r in finished_rows(1)] == [UsageRecord.Status.FAILED]
-    layout.wait_for(lambda: layout.serving(embedded) == ["wa", "wb"], "both to beat again")
+    layout.wait_for(lambda: layout.serving(embedded) == stopped, "all to beat again")
+
+
+def test_workers_follow_the_registry(layout, key):
+    client = client_for(layout, key)
+    # Disabled: both workers retire the model (its requests would finish first)...
+    ModelEntry.objects.filter(name=TINY).update(enabled=False)
+    nudge(layout)
+    layout.wait_for(lambda: layout.serving(TINY) == [], "the workers to retire it")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
+    # ...enabled with another batch size: loaded again with the new spec, no restart.
+    ModelEntry.objects.filter(name=TINY).update(enabled=True, max_num_seqs=4)
+    nudge(layout)
+    layout.wait_for(lambda: layout.serving(TINY) == layout.live(TINY), "the workers to serve it")
+    specs = {b.models[TINY].spec["max_num_seqs"] for b in layout.beats().values()}
+    assert specs == {4}
+    reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_a_worker_serves_only_the_models_it_is_given(layout, served, tiny_model_path, minilm_path):
+    from engine.models.embeddings import DEFAULT_EMBEDDING_MODEL
+    from inference.services.registry import model_register
+
+    others = layout.live(TINY)
+    model_register(name=TINY_SIMPLE, path=tiny_model_path, engine="simple")
+    model_register(name=DEFAULT_EMBEDDING_MODEL, path=minilm_path, kind=ModelEntry.Kind.EMBEDDING)
+    # The new worker reads the registry as it starts: three models enabled, one given. It stays,
+    # serving beside the others (the tests below end a worker each).
+    (given,) = layout.start_workers(1, models=[TINY])
+    layout.wait_for(lambda: given in layout.serving(TINY), "it to serve the model it is given")
+    beat = layout.beats()[given]
+    assert beat.model_filter == [TINY]
+    assert set(beat.models) == {TINY}
+    assert layout.serving(TINY) == sorted([*others, given])
+
+
+def test_sigterm_drains_a_worker(layout, key):
+    client = client_for(layout, key)
+    stream = client.chat.completions.create(
+        model=TINY,
+        messages=MESSAGES,
+        max_tokens=200,
+        extra_body={"ignore_eos": True},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            layout.wait_for(lambda: layout.running(TINY), "the stream's worker to report it")
+            (draining,) = layout.running(TINY)
+            layout.workers[draining].send_signal(signal.SIGTERM)
+            layout.wait_for(
+                lambda w=draining: layout.beats()[w].draining, "the worker to say it drains"
+            )
+            # New requests go to the others while this one finishes its stream.
+            reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=3)
+            assert reply.usage.completion_tokens == 3
+            assert layout.workers[draining].poll() is None
+    # The stream ran to its end, untouched by the drain.
+    assert chunks[-1].usage.completion_tokens == 200
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert layout.workers[draining].wait(timeout=30) == 0
+    assert "stopped" in layout.log(draining)
+    layout.wait_for(lambda: draining not in layout.beats(), "the beat to be removed", 5)
+    rows = finished_rows(2)
+    assert {r.status for r in rows} == {UsageRecord.Status.COMPLETED}
+
+
+def test_a_worker_killed_mid_stream_fails_its_request_and_the_next_goes_elsewhere(layout, key):
+    client = client_for(layout, key)
+    stream = client.chat.completions.create(
+        model=TINY,
+        messages=MESSAGES,
+        max_tokens=4000,
+        extra_body={"ignore_eos": True},
+        stream=True,
+    )
+    seen = 0
+    started = None
+    with pytest.raises(openai.APIError) as failure:
+        for _chunk in stream:
+            seen += 1
+            if seen == 3:
+                layout.wait_for(lambda: layout.running(TINY), "the stream's worker to report it")
+                (victim,) = layout.running(TINY)
+                layout.workers[victim].send_signal(signal.SIGKILL)
+                started = time.monotonic()
+    assert started is not None and time.monotonic() - started < 10
+    assert "engine failed" in str(failure.value)
+
+    rows = finished_rows(1)
+    assert [r.status for r in rows] == [UsageRecord.Status.FAILED]
+    assert 0 < rows[0].completion_tokens < 4000
+
+    # The dead worker has left routing: the next request runs on the other one at once.
+    reply = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=5)
+    assert reply.usage.completion_tokens == 5
+    layout.wait_for(lambda: victim not in layout.beats(), "the dead worker's beat to expire", 10)

@@ -1,20 +1,12 @@
-"""The /v1/responses tests' server (the scripted daphne, started once for the package), model,
-key and client."""
+"""The /v1/responses tests' model, key and client, on the scripted daphne (`scripted_url`,
+tests/inference/conftest.py)."""
 
 import openai
 import pytest
 
 from inference.services.registry import model_register
-from tests.fixtures.daphne import stop_daphne
 from tests.fixtures.tiny_models import build_tiny_model
-from tests.inference.api.responses.scripted import MODEL, start_scripted
-
-
-@pytest.fixture(scope="package")
-def scripted_url(django_db_setup, tmp_path_factory):
-    process, url = start_scripted(tmp_path_factory.mktemp("responses"))
-    yield url
-    stop_daphne(process)
+from tests.inference.api.responses.scripted import MODEL
 
 
 @pytest.fixture

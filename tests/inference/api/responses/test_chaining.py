@@ -82,27 +82,18 @@ def test_harmony_reasoning_and_calls_round_trip(client):
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
-def test_chaining_three_turns_across_a_server_restart(raw_key, tmp_path, registered):
+def test_chaining_three_turns_across_a_server_restart(client, raw_key, tmp_path):
+    # The first turn is served by a server that then stops; the shared scripted server, another
+    # process that never saw it, continues the conversation from the database alone.
     process, url = start_scripted(tmp_path)
     try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=raw_key, max_retries=0)
-        first = client.responses.create(
-            model=MODEL, input="turn one", instructions="Answer briefly."
-        )
+        gone = openai.OpenAI(base_url=f"{url}/v1", api_key=raw_key, max_retries=0)
+        first = gone.responses.create(model=MODEL, input="turn one", instructions="Answer briefly.")
     finally:
         stop_daphne(process)
-    process, url = start_scripted(tmp_path)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=raw_key, max_retries=0)
-        second = client.responses.create(
-            model=MODEL, input="turn two", previous_response_id=first.id
-        )
-        third = client.responses.create(
-            model=MODEL, input="turn three", previous_response_id=second.id
-        )
-        items = client.responses.input_items.list(third.id)  # newest first
-    finally:
-        stop_daphne(process)
+    second = client.responses.create(model=MODEL, input="turn two", previous_response_id=first.id)
+    third = client.responses.create(model=MODEL, input="turn three", previous_response_id=second.id)
+    items = client.responses.input_items.list(third.id)  # newest first
     assert [r.output_text for r in (first, second, third)] == [
         "First reply.",
         "Second reply.",
