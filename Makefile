@@ -39,7 +39,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-blas bench-sgemm bench-attention clean
+.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-blas bench-sgemm bench-attention clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -109,6 +109,9 @@ bench-serve: setup
 
 bench-speculative: setup
 	$(PY) bench/speculative.py
+
+bench-isolation: setup
+	$(PY) bench/isolation.py
 
 clean:
 	rm -rf $(VENV)

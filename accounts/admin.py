@@ -113,6 +113,12 @@ class TeamAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         return teams_owned_by(user=request.user)
 
+    def get_readonly_fields(self, request, obj=None):
+        # A team owner who is staff edits their team here, but not the storage it may use.
+        if request.user.is_superuser:
+            return ()
+        return ("response_storage_bytes",)
+
 
 @admin.register(Membership)
 class MembershipAdmin(admin.ModelAdmin):

@@ -1,10 +1,11 @@
 """Bearer-key authentication for /v1 (the shape of DRF's TokenAuthentication: None for another
 scheme or no header, an error for a malformed or unknown key)."""
 
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from accounts import keys
-from accounts.models import ApiKey
+from accounts.models import ApiKey, Membership
 from accounts.services import api_key_touch_last_used
 
 ERROR_MISSING = "You didn't provide an API key. Use an 'Authorization: Bearer sk-orch-...' header."
@@ -12,6 +13,7 @@ ERROR_MALFORMED = "Malformed Authorization header; expected 'Bearer <key>'."
 ERROR_INVALID = "Incorrect API key provided."
 ERROR_REVOKED = "This API key has been revoked."
 ERROR_EXPIRED = "This API key has expired."
+ERROR_NOT_A_MEMBER = "This API key's user is no longer a member of its team."
 
 
 class AuthenticationError(Exception):
@@ -23,8 +25,10 @@ class AuthenticationError(Exception):
 
 def authenticate_header(header: str | None) -> ApiKey:
     """The active key for an Authorization header value; raises AuthenticationError otherwise.
-    Always reads the database, so revocation and expiry take effect on the next request in every
-    process."""
+    Always reads the database (no cache), so revocation, expiry, a member leaving the key's team
+    and a deactivated account take effect on the next request in every process. Leaving and
+    deactivation also revoke the keys (accounts/signals.py); they are checked here too, in the
+    same query, for any path that changed the rows without them."""
     if not header:
         raise AuthenticationError(ERROR_MISSING)
     parts = header.split()
@@ -33,8 +37,10 @@ def authenticate_header(header: str | None) -> ApiKey:
     raw_key = parts[1]
     if not keys.is_well_formed(raw_key):
         raise AuthenticationError(ERROR_INVALID)
+    membership = Membership.objects.filter(team_id=OuterRef("team_id"), user_id=OuterRef("user_id"))
     api_key = (
         ApiKey.objects.select_related("team", "user")
+        .annotate(user_is_member=Exists(membership))
         .filter(prefix=keys.lookup_prefix(raw_key))
         .first()
     )
@@ -46,5 +52,7 @@ def authenticate_header(header: str | None) -> ApiKey:
         raise AuthenticationError(ERROR_EXPIRED)
     if not api_key.user.is_active:
         raise AuthenticationError(ERROR_INVALID)
+    if not api_key.user_is_member:
+        raise AuthenticationError(ERROR_NOT_A_MEMBER)
     api_key_touch_last_used(api_key=api_key, now=timezone.now())
     return api_key

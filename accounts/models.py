@@ -26,6 +26,13 @@ class Team(models.Model):
     member_key_budget_tokens = models.PositiveBigIntegerField(
         "monthly token budget of keys members create", null=True, blank=True
     )
+    response_storage_bytes = models.PositiveBigIntegerField(
+        "stored responses quota (bytes)",
+        null=True,
+        blank=True,
+        help_text="Bytes of stored /v1/responses responses the team may keep. Empty: "
+        "ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -145,3 +152,19 @@ class ApiKeyMonthlyUsage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.api_key_id} {self.month:%Y-%m}: {self.tokens}"
+
+
+class SigninAttempts(models.Model):
+    """Sign-in attempts counted against one account or one client address within a window: the
+    sign-in throttle's counters where there is no Redis (accounts/signin.py). `key` names the
+    counter, never a password or a raw username."""
+
+    key = models.CharField(max_length=100, unique=True)
+    count = models.PositiveIntegerField(default=0)
+    expires_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        verbose_name_plural = "sign-in attempts"
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.count}"

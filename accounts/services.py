@@ -1,7 +1,7 @@
-"""Writes for teams, memberships and API keys, and the rules for the keys members make
-themselves (the members' pages)."""
+"""Writes for teams, memberships and API keys, the rules for the keys members make themselves
+(the members' pages), and the sign-in throttle's counters in the database."""
 
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
@@ -10,7 +10,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from accounts import keys
-from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
+from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, SigninAttempts, Team
 from accounts.selectors import teams_for_new_keys, teams_owned_by
 
 # last_used_at is written at most this often per key, so hot keys don't cost a write per request.
@@ -159,6 +159,20 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     return api_key
 
 
+def api_keys_revoke_for_member(*, team_id: int, user_id: int) -> int:
+    """Revoke the keys the user holds in the team, because they are no longer a member of it;
+    returns how many were active. Called wherever a membership ends (accounts/signals.py)."""
+    keys_held = ApiKey.objects.filter(team_id=team_id, user_id=user_id, revoked_at__isnull=True)
+    return keys_held.update(revoked_at=timezone.now())
+
+
+def api_keys_revoke_for_user(*, user_id: int) -> int:
+    """Revoke every key the user holds, in every team (the account was deactivated); returns how
+    many were active. Reactivating the account does not bring them back: issue new ones."""
+    keys_held = ApiKey.objects.filter(user_id=user_id, revoked_at__isnull=True)
+    return keys_held.update(revoked_at=timezone.now())
+
+
 def api_key_touch_last_used(*, api_key: ApiKey, now: datetime) -> None:
     """Record a use of the key at `now`, unless one was recorded in the last
     LAST_USED_RESOLUTION_SECONDS (updates `api_key` in place too)."""
@@ -197,3 +211,47 @@ def api_key_monthly_usage_add(*, api_key_id: int, month: date, tokens: int) -> N
         api_key_id=api_key_id, month=month
     )
     ApiKeyMonthlyUsage.objects.filter(pk=row.pk).update(tokens=F("tokens") + tokens)
+
+
+@transaction.atomic
+def signin_attempts_count(*, keys: list[str], window_seconds: float) -> dict[str, int]:
+    """Count one sign-in attempt against each counter and return each counter's attempts in its
+    window, this one included. A counter's window starts with its first attempt; an expired one
+    starts again. Exact under concurrent attempts: each increment is one UPDATE of the row, which
+    holds its lock to the end of the transaction, and counters are taken in one order, so two
+    attempts never wait on each other."""
+    now = timezone.now()
+    expires_at = now + timedelta(seconds=window_seconds)
+    counts = {}
+    for key in sorted(set(keys)):
+        rows = SigninAttempts.objects.filter(key=key)
+        rows.filter(expires_at__lte=now).update(count=0, expires_at=expires_at)
+        while not rows.update(count=F("count") + 1):
+            try:
+                with transaction.atomic():
+                    SigninAttempts.objects.create(key=key, count=1, expires_at=expires_at)
+                break
+            except IntegrityError:
+                continue  # another attempt created it a moment ago: count on that row
+        counts[key] = rows.values_list("count", flat=True).get()
+    return counts
+
+
+def signin_attempts_forgive(*, clear: list[str], discount: list[str]) -> None:
+    """After a successful sign-in: the `clear` counters start again, the `discount` ones take
+    back the attempt (it was counted before the password was checked)."""
+    SigninAttempts.objects.filter(key__in=clear).delete()
+    SigninAttempts.objects.filter(
+        key__in=discount, expires_at__gt=timezone.now(), count__gt=0
+    ).update(count=F("count") - 1)
+
+
+@transaction.atomic
+def signin_attempts_purge(*, batch: int = 1000) -> int:
+    """Delete up to `batch` counters whose window has passed; returns how many. Rows an attempt
+    holds are skipped (SKIP LOCKED), so a purge never waits on, or deadlocks with, an attempt."""
+    now = timezone.now()
+    stale = SigninAttempts.objects.filter(expires_at__lte=now).select_for_update(skip_locked=True)
+    ids = list(stale.values_list("pk", flat=True)[:batch])
+    deleted, _ = SigninAttempts.objects.filter(pk__in=ids, expires_at__lte=now).delete()
+    return deleted

@@ -1,7 +1,9 @@
-"""ASGI entry point: HTTP goes to Django's own ASGI handler (it notices client disconnects while
-streaming and cancels the view, which aborts the generation), with each request's sync thread
-taken from a pool (common/request_threads.py); websockets (the live engine status) go to
-Channels with the session's user."""
+"""ASGI entry point: HTTP goes through the body cap (inference/body_cap.py: a body over
+ORCHARD_MAX_BODY_BYTES, or its route's own cap, is a 413 before Django reads it) to Django's own
+ASGI handler (it notices client disconnects while streaming and cancels the view, which aborts
+the generation), with each request's sync thread taken from a pool
+(common/request_threads.py); websockets (the live engine status) go to Channels with the
+session's user."""
 
 import os
 
@@ -14,12 +16,18 @@ from channels.security.websocket import AllowedHostsOriginValidator
 
 django.setup(set_prefix=False)
 
-from django.urls import path  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.urls import path, reverse  # noqa: E402
 
 from common.request_threads import PooledASGIHandler  # noqa: E402
+from inference.body_cap import BodyCapMiddleware  # noqa: E402
 from inference.web.consumers import StatusConsumer  # noqa: E402
 
-django_asgi_app = PooledASGIHandler()
+django_asgi_app = BodyCapMiddleware(
+    PooledASGIHandler(),
+    max_bytes=settings.ORCHARD_MAX_BODY_BYTES,
+    route_max_bytes={reverse("v1-embeddings"): settings.ORCHARD_MAX_EMBEDDINGS_BODY_BYTES},
+)
 
 
 application = ProtocolTypeRouter(
@@ -31,8 +39,6 @@ application = ProtocolTypeRouter(
         ),
     }
 )
-
-from django.conf import settings  # noqa: E402
 
 if settings.ORCHARD_PRELOAD_MODELS:
     from inference.services.engines import preload_models

@@ -1,5 +1,6 @@
 """The one reader of the environment. Settings modules ask here; nothing else reads os.environ."""
 
+import ipaddress
 import math
 import os
 from pathlib import Path
@@ -56,6 +57,17 @@ def env_float(name: str, default: float, *, positive: bool = False) -> float:
 def env_list(name: str, default: list[str]) -> list[str]:
     value = env_str(name)
     return default if value is None else [item.strip() for item in value.split(",") if item.strip()]
+
+
+def ip_networks(name: str, values: list[str]) -> list[str]:
+    """`values` (read from `name`) as IP networks in their normal form: "10.0.0.0/8", an address
+    a network of one ("127.0.0.1/32"). Anything else raises ImproperlyConfigured."""
+    try:
+        return [str(ipaddress.ip_network(value, strict=False)) for value in values]
+    except ValueError as exc:
+        raise ImproperlyConfigured(
+            f"{name} must be comma-separated IP addresses or networks (CIDR): {exc}"
+        ) from None
 
 
 def orchard_home() -> Path:

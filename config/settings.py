@@ -10,7 +10,16 @@ import secrets
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from config.env import BASE_DIR, env_bool, env_float, env_int, env_list, env_str, orchard_home
+from config.env import (
+    BASE_DIR,
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_str,
+    ip_networks,
+    orchard_home,
+)
 
 ORCHARD_HOME = orchard_home()
 ORCHARD_HOME.mkdir(parents=True, exist_ok=True)
@@ -150,8 +159,18 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = ORCHARD_HOME / "static"
 
-# /v1 bodies above this are refused with 413 before they are parsed.
-DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("ORCHARD_MAX_BODY_BYTES", 8 * 1024 * 1024)
+# Request bodies are capped in front of Django (inference/body_cap.py): a larger one is a 413
+# before authentication and before anything reads it. /v1/embeddings has its own: 2048 inputs
+# (OpenAI's most) of 512 token ids each are ~7 MiB of JSON, while a chat, Responses or Messages
+# request filling a 128k-token context is ~1 MiB.
+ORCHARD_MAX_BODY_BYTES = env_int("ORCHARD_MAX_BODY_BYTES", 4 * 1024 * 1024)
+ORCHARD_MAX_EMBEDDINGS_BODY_BYTES = env_int("ORCHARD_MAX_EMBEDDINGS_BODY_BYTES", 8 * 1024 * 1024)
+if min(ORCHARD_MAX_BODY_BYTES, ORCHARD_MAX_EMBEDDINGS_BODY_BYTES) < 1:
+    raise ImproperlyConfigured(
+        "ORCHARD_MAX_BODY_BYTES and ORCHARD_MAX_EMBEDDINGS_BODY_BYTES must be at least 1."
+    )
+# Django's own check (form fields, request.body) never refuses a body the cap let through.
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(ORCHARD_MAX_BODY_BYTES, ORCHARD_MAX_EMBEDDINGS_BODY_BYTES)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
@@ -184,10 +203,40 @@ ORCHARD_MODEL_LOAD_WAIT_SECONDS = env_float("ORCHARD_MODEL_LOAD_WAIT_SECONDS", 6
 ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", True)
 # A chat template (or tokenizer) still rendering one prompt after this is stopped with a 400.
 ORCHARD_RENDER_TIMEOUT_SECONDS = env_float("ORCHARD_RENDER_TIMEOUT_SECONDS", 10.0, positive=True)
+# A request's preparation before admission (reading its body, checking its grammar, rendering,
+# tokenizing) runs on this many threads and tokenizer processes per web process, shared fairly:
+# a team runs at most ORCHARD_PREPARE_PER_TEAM jobs at once and queues at most
+# ORCHARD_PREPARE_QUEUE_PER_TEAM more (then 429), and a free worker goes to the teams in turn.
+ORCHARD_PREPARE_WORKERS = env_int("ORCHARD_PREPARE_WORKERS", 4)
+ORCHARD_PREPARE_PER_TEAM = env_int("ORCHARD_PREPARE_PER_TEAM", 2)
+ORCHARD_PREPARE_QUEUE_PER_TEAM = env_int("ORCHARD_PREPARE_QUEUE_PER_TEAM", 256)
+if min(ORCHARD_PREPARE_WORKERS, ORCHARD_PREPARE_PER_TEAM) < 1 or ORCHARD_PREPARE_QUEUE_PER_TEAM < 0:
+    raise ImproperlyConfigured(
+        "ORCHARD_PREPARE_WORKERS and ORCHARD_PREPARE_PER_TEAM must be at least 1, "
+        "ORCHARD_PREPARE_QUEUE_PER_TEAM at least 0."
+    )
+# A structured-output grammar (from a JSON schema, a regex, Lark, or a forced tool call) larger
+# than this is refused with a 400 before it is compiled.
+ORCHARD_GRAMMAR_MAX_BYTES = env_int("ORCHARD_GRAMMAR_MAX_BYTES", 512 * 1024)
+if ORCHARD_GRAMMAR_MAX_BYTES < 1:
+    raise ImproperlyConfigured("ORCHARD_GRAMMAR_MAX_BYTES must be at least 1.")
+# The reverse proxies in front of the web processes (addresses or CIDR networks). A request from
+# one of them has its client address read from X-Forwarded-For, right to left, past these; empty:
+# the client is REMOTE_ADDR (accounts/signin.py, the sign-in throttle).
+ORCHARD_TRUSTED_PROXIES = ip_networks(
+    "ORCHARD_TRUSTED_PROXIES", env_list("ORCHARD_TRUSTED_PROXIES", [])
+)
 # `GET /metrics` also accepts `Authorization: Bearer <this>` (else only staff API keys).
 ORCHARD_METRICS_TOKEN = env_str("ORCHARD_METRICS_TOKEN", "")
 # `manage.py purge_responses` deletes stored /v1/responses responses older than this by default.
 ORCHARD_RESPONSES_RETENTION_DAYS = env_int("ORCHARD_RESPONSES_RETENTION_DAYS", 30)
+# The bytes of stored /v1/responses responses a team may keep (a team's own quota, set in the
+# admin, overrides it): a request with `store` that would exceed it is refused before it runs.
+ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM = env_int(
+    "ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM", 256 * 1024 * 1024
+)
+if ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM < 0:
+    raise ImproperlyConfigured("ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM must be 0 or more.")
 
 LOGGING = {
     "version": 1,

@@ -30,6 +30,7 @@ from engine.client import EngineClient  # noqa: E402
 from engine.protocol import (  # noqa: E402
     EmbeddingInfo,
     EmbeddingLoadError,
+    EmbeddingProgress,
     EngineError,
     EngineOverloadedError,
     EngineStats,
@@ -55,6 +56,7 @@ from engine.protocol import (  # noqa: E402
 # Names loaded on first use (they import MLX, mlx-lm or a tokenizer library): name -> module.
 _LAZY = {
     "LocalEngineClient": "engine.local",
+    "EmbeddingJob": "engine.core.embedding",
     "EngineWorker": "engine.worker",
     "DEFAULT_EMBEDDING_MODEL": "engine.models.embeddings",
     "default_embedding_folder": "engine.models.embeddings",
@@ -70,6 +72,7 @@ _LAZY = {
 __all__ = [
     "EmbeddingInfo",
     "EmbeddingLoadError",
+    "EmbeddingProgress",
     "EngineClient",
     "EngineError",
     "EngineOverloadedError",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from engine.protocol import (
     EmbeddingInfo,
+    EmbeddingProgress,
     EngineStats,
     GenerationOutput,
     GenerationRequest,
@@ -76,7 +77,7 @@ class EngineClient(abc.ABC):
         """Token ids for a prompt: chat messages through the model's chat template (with `tools`
         and `chat_template_kwargs`, whose server-owned keys are refused), text through the
         tokenizer, or token ids as they are; for a chat on a hybrid model, also its checkpoints.
-        A render running past `timeout_s` is stopped with InvalidRequestError."""
+        A render running past `timeout_s` is stopped (its work ends) with InvalidRequestError."""
 
     @abc.abstractmethod
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
@@ -94,14 +95,24 @@ class EngineClient(abc.ABC):
         ModelLoadError (EmbeddingLoadError) when it cannot be loaded."""
 
     @abc.abstractmethod
-    async def tokenize(self, model: str, texts: list[str]) -> list[list[int]]:
+    async def tokenize(
+        self, model: str, texts: list[str], *, timeout_s: float | None = None
+    ) -> list[list[int]]:
         """Each text's token ids by an embedding model's tokenizer (its special tokens
-        included, cut at nothing: the caller checks them against the model's context)."""
+        included, cut at nothing: the caller checks them against the model's context). A
+        tokenizing running past `timeout_s` is stopped with InvalidRequestError."""
 
     @abc.abstractmethod
-    async def embed(self, model: str, token_ids: list[list[int]]) -> np.ndarray:
+    async def embed(
+        self,
+        model: str,
+        token_ids: list[list[int]],
+        progress: EmbeddingProgress | None = None,
+    ) -> np.ndarray:
         """The (inputs, dimensions) float32 vectors of an embedding model for token ids it has
-        checked; concurrent calls share the model's forwards."""
+        checked; concurrent calls share the model's forwards. Cancelling the task awaiting it
+        stops the call between forwards; `progress`, when given, holds the tokens computed once
+        this has returned or raised."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

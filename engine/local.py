@@ -20,8 +20,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from engine.client import EngineClient
+from engine.core.embedding import EmbeddingJob
 from engine.protocol import (
     EmbeddingInfo,
+    EmbeddingProgress,
     EngineStats,
     GenerationOutput,
     GenerationRequest,
@@ -32,10 +34,14 @@ from engine.protocol import (
     PromptInput,
     RenderedPrompt,
 )
+from engine.text.processes import PROCESSES
 from engine.text.rendering import PromptRenderer
 from engine.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
+
+# A cancelled embedding ends at the end of its engine's forward under way: a second or so.
+EMBED_STOP_WAIT_S = 10.0
 
 
 class _LoopMailbox:
@@ -64,9 +70,9 @@ class _LoopMailbox:
 
 
 class LocalEngineClient(EngineClient):
-    def __init__(self, worker: EngineWorker | None = None):
+    def __init__(self, worker: EngineWorker | None = None, *, render_processes: int = PROCESSES):
         self.worker = worker or EngineWorker()
-        self.renderer = PromptRenderer()
+        self.renderer = PromptRenderer(render_processes)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox] = (
             weakref.WeakKeyDictionary()
         )
@@ -170,11 +176,34 @@ class LocalEngineClient(EngineClient):
     async def embedding_model(self, spec: ModelSpec) -> EmbeddingInfo:
         return await asyncio.wrap_future(self.worker.serve(spec))
 
-    async def tokenize(self, model: str, texts: list[str]) -> list[list[int]]:
-        return await asyncio.to_thread(self.worker.embedder(model).tokenize, texts)
+    async def tokenize(
+        self, model: str, texts: list[str], *, timeout_s: float | None = None
+    ) -> list[list[int]]:
+        tokenizer = self.worker.embedder(model).tokenizer()
+        return await self.renderer.encode(tokenizer, texts, timeout_s=timeout_s)
 
-    async def embed(self, model: str, token_ids: list[list[int]]) -> np.ndarray:
-        return await asyncio.wrap_future(self.worker.embed(model, token_ids))
+    async def embed(
+        self,
+        model: str,
+        token_ids: list[list[int]],
+        progress: EmbeddingProgress | None = None,
+    ) -> np.ndarray:
+        job = self.worker.embed(model, token_ids)
+        try:
+            # Cancelled, this cancels the job's future: the engine stops it before its next
+            # forward.
+            return await asyncio.wrap_future(job.future)
+        finally:
+            if progress is not None:
+                progress.num_computed_tokens = await _final_count(job)
+
+
+async def _final_count(job: EmbeddingJob) -> int:
+    """The tokens `job` computed, once its engine has let go of it (a cancelled job: at the end
+    of the forward under way), or as counted after EMBED_STOP_WAIT_S."""
+    if not job.ended.done():
+        await asyncio.wait([asyncio.wrap_future(job.ended)], timeout=EMBED_STOP_WAIT_S)
+    return job.num_computed_tokens
 
 
 def _report_load(name: str, future: concurrent.futures.Future) -> None:

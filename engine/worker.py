@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.batched import BatchedEngine
-from engine.core.embedding import EmbeddingEngine
+from engine.core.embedding import EmbeddingEngine, EmbeddingJob
 from engine.core.loop import EngineLoop, describe
 from engine.core.request import Emit
 from engine.core.simple import SimpleEngine
@@ -311,8 +311,9 @@ class EngineWorker:
     def compile_grammar(self, model: str, grammar: str) -> None:
         self.get(model).compile_grammar(grammar)
 
-    def embed(self, model: str, token_ids: list[list[int]]) -> concurrent.futures.Future:
-        """The (inputs, dimensions) float32 vectors of an embedding model for `token_ids`."""
+    def embed(self, model: str, token_ids: list[list[int]]) -> EmbeddingJob:
+        """A job computing the (inputs, dimensions) float32 vectors of an embedding model for
+        `token_ids` (cancel its future to stop it between forwards)."""
         return self.embedder(model).submit(token_ids)
 
     def abort(self, model: str, request_id: str) -> None:

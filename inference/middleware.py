@@ -16,6 +16,10 @@ logger = logging.getLogger(__name__)
 API_PREFIX = "/v1/"
 
 
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
 class OpenAIApiMiddleware:
     async_capable = True
     sync_capable = False
@@ -28,7 +32,7 @@ class OpenAIApiMiddleware:
     async def __call__(self, request: HttpRequest) -> HttpResponse:
         if not request.path.startswith(API_PREFIX):
             return await self.get_response(request)
-        request.orchard_request_id = f"req_{uuid.uuid4().hex}"
+        request.orchard_request_id = new_request_id()
         response = await self.get_response(request)
         if response.status_code >= 400 and not isinstance(response, JsonResponse):
             allow = response.get("Allow")

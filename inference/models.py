@@ -102,6 +102,11 @@ class ModelEntry(models.Model):
         blank=True,
         help_text="The prefix cache's share of the memory budget. Empty: a quarter; 0: off.",
     )
+    prefix_cache_shared = models.BooleanField(
+        default=False,
+        help_text="Share cached prompt prefixes across teams. Off: each team hits only its own "
+        "(another team can neither reuse nor time them).",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -236,9 +241,20 @@ class StoredResponse(models.Model):
     """A /v1/responses response kept for its team (`store`, the default): what GET returns, and
     the conversation a later request continues with `previous_response_id`.
 
-    `body` is the response object as the client received it; `input_items` the whole input it
-    answered (the conversation replayed from earlier responses, then the request's own items),
-    so a response stays continuable even when an earlier one of its chain is deleted."""
+    Every item is stored once, in the row of the response that brought it: `body` is the
+    response object as the client received it (its `output` items included), `new_input_items`
+    only the input items the response added. A response that continues another points to it
+    (`continues`); what it answered is the continued response's input items and output, less
+    the `num_dropped` items from `drop_start` that truncation "auto" dropped, then its own new
+    input items. Reading a chain is one recursive query up the `continues` links and one pass
+    down them (inference/services/stored_responses.py), so a chain of n responses stores O(n)
+    bytes and reads in O(its length), where a copy of the conversation in every row grew as
+    O(n²).
+
+    Deleting a response that another one continues only hides it (`deleted_at`; its body
+    trimmed to the output the continuation replays): the chain stays continuable. A hidden
+    response goes once nothing continues it any more. `num_bytes` is what the row counts
+    against its team's storage quota (`TeamResponseStorage`)."""
 
     class Status(models.TextChoices):
         COMPLETED = "completed"
@@ -254,9 +270,18 @@ class StoredResponse(models.Model):
     model = models.CharField(max_length=100)
     status = models.CharField(max_length=12, choices=Status.choices)
     previous_response_id = models.CharField(max_length=64, blank=True)
+    # RESTRICT: a response is never deleted under one that continues it (a team's deletion,
+    # which takes both, still may).
+    continues = models.ForeignKey(
+        "self", on_delete=models.RESTRICT, null=True, blank=True, related_name="continuations"
+    )
+    drop_start = models.PositiveIntegerField(default=0)
+    num_dropped = models.PositiveIntegerField(default=0)
     body = models.JSONField()
-    input_items = models.JSONField(default=list)
+    new_input_items = models.JSONField(default=list)
+    num_bytes = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(db_index=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -265,3 +290,22 @@ class StoredResponse(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+
+class TeamResponseStorage(models.Model):
+    """The bytes of a team's stored responses (the sum of their `num_bytes`), kept up to date
+    as they are stored and deleted, so the quota check reads one row."""
+
+    team = models.OneToOneField(
+        "accounts.Team",
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="response_storage",
+    )
+    num_bytes = models.BigIntegerField(default=0)
+
+    class Meta:
+        verbose_name = "team response storage"
+
+    def __str__(self) -> str:
+        return f"{self.team_id}: {self.num_bytes} bytes"

@@ -16,7 +16,10 @@ Counting rules:
 - A check that fails reserves nothing.
 - A flexible admission (`min_tokens`: a request that did not fix its max_tokens) reserves what
   the tpm window and the budget still allow, between `min_tokens` and `reserved_tokens`.
-- `precheck` refuses what no token count could admit, before any work is spent on a request.
+- Two-step admission: `enter` lets a request in before any work is spent on it (it counts in
+  the rpm window and holds a parallel slot, but no tokens, refused when no token count could be
+  admitted), `Admission.reserve` reserves its tokens once its size is known. An entered request
+  counts in the rpm window whatever becomes of it.
 - A Redis that does not answer raises LimiterUnavailable (the API answers 503), never a hang.
 - A key idle for BUDGET_IDLE_SECONDS loses its counters; its budget is re-seeded from the
   database on its next admission, so memory follows the active keys, not every key ever seen.
@@ -70,9 +73,9 @@ __all__ = [
     "RedisLimiter",
     "admit",
     "current_headers",
+    "enter",
     "format_duration",
     "get_limiter",
-    "precheck",
 ]
 
 _limiters: dict[str | None, Limiter] = {}
@@ -102,10 +105,12 @@ async def admit(
     )
 
 
-async def precheck(api_key: ApiKey) -> None:
-    """Raise RateLimitExceeded if no request of this key could be admitted now (rpm or parallel
-    slots full, no token left in the tpm window or the budget); reserves nothing."""
-    await get_limiter().precheck(api_key)
+async def enter(api_key: ApiKey) -> Admission:
+    """Let a request in before its size is known: 1 request (rpm) and 1 parallel slot, no tokens
+    (`Admission.reserve` reserves them later). Raises RateLimitExceeded, counting nothing, if
+    the rpm window or the parallel slots are full, or the tpm window or the budget has not one
+    token left. Release it like an admission, whatever becomes of the request."""
+    return await get_limiter().enter(api_key)
 
 
 async def current_headers(api_key: ApiKey) -> dict[str, str]:

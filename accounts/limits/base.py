@@ -67,13 +67,28 @@ class RateLimitExceeded(Exception):
 class Admission:
     """A granted admission. `release` must run exactly once the request ends, after its usage row
     is finished (the caller's settlement does both); it is idempotent and cannot be interrupted
-    half-way by cancellation."""
+    half-way by cancellation. An admission from `Limiter.enter` holds a request of the rpm window
+    and a parallel slot but no tokens until `reserve`."""
 
     headers: dict[str, str]
     granted_tokens: int = 0  # what was reserved: the request's tokens, or less when flexible
     id: str = ""  # the backend's name for this reservation
     _release: Callable[[int], Awaitable[None]] | None = field(default=None, repr=False)
+    _reserve: Callable[[int, int], Awaitable[tuple[int, dict[str, str]]]] | None = field(
+        default=None, repr=False
+    )
     _released: bool = field(default=False, repr=False)
+
+    async def reserve(self, *, reserved_tokens: int, min_tokens: int | None = None) -> None:
+        """Reserve the tokens of an entered request (tpm and budget), as `admit` would: with
+        `min_tokens`, what the window and the budget still allow, but at least that. Raises
+        RateLimitExceeded and reserves nothing when a limit refuses; the caller still releases."""
+        reserved = max(0, int(reserved_tokens))
+        least = reserved if min_tokens is None else max(0, min(int(min_tokens), reserved))
+        if self._reserve is None:
+            self.granted_tokens = reserved
+            return
+        self.granted_tokens, self.headers = await self._reserve(reserved, least)
 
     async def release(self, *, used_tokens: int) -> None:
         if self._released or self._release is None:
@@ -203,7 +218,12 @@ def _in_background(coroutine) -> None:
 
 
 class Limiter:
-    """The backend-independent half: seeding, headers, errors, the Admission."""
+    """The backend-independent half: seeding, headers, errors, the Admission.
+
+    A request is admitted in one step (`admit`), or in two: `enter` before any work is spent on
+    it (it counts in the rpm window and holds a parallel slot, reserving no tokens), then
+    `Admission.reserve` once its size is known. A refused entry counts nothing; an entered
+    request counts in the rpm window whatever becomes of it (a 400 included)."""
 
     async def admit(
         self, api_key: ApiKey, *, reserved_tokens: int, min_tokens: int | None = None
@@ -219,33 +239,52 @@ class Limiter:
         verdict, admission_id, month = await self._verdict(limits, reserved, least, "admit")
         if verdict.status == Status.REJECTED:
             raise _refusal(limits, verdict, least)
+        return self._admission(limits, verdict, admission_id, month)
 
+    async def enter(self, api_key: ApiKey) -> Admission:
+        """Let a request in before its size is known, reserving no tokens: refused (counting
+        nothing) when the rpm window or the parallel slots are full, or the tpm window or the
+        budget has not one token left."""
+        limits = Limits.of(api_key)
+        if limits.unlimited:
+            return Admission(headers={})
+        verdict, admission_id, month = await self._verdict(limits, 1, 1, "enter")
+        if verdict.status == Status.REJECTED:
+            raise _refusal(limits, verdict, 1)
+        return self._admission(limits, verdict, admission_id, month, entered=True)
+
+    def _admission(self, limits, verdict, admission_id, month, *, entered=False) -> Admission:
         async def release(used_tokens: int) -> None:
             await self._release_or_retry(limits, admission_id, used_tokens, month)
+
+        async def reserve(reserved: int, least: int) -> tuple[int, dict[str, str]]:
+            verdict, _, _ = await self._verdict(
+                limits, reserved, least, "reserve", admission_id=admission_id, month=month
+            )
+            if verdict.status == Status.REJECTED:
+                raise _refusal(limits, verdict, least)
+            return verdict.granted, _headers(limits, verdict)
 
         return Admission(
             headers=_headers(limits, verdict),
             granted_tokens=verdict.granted,
             id=admission_id,
             _release=release,
+            _reserve=reserve if entered else None,
         )
 
-    async def precheck(self, api_key: ApiKey) -> None:
-        """Refuse, reserving nothing, a request that no token count could admit: the rpm
-        window or the parallel slots are full, or the tpm window or the budget has not one
-        token left. What a request is worth before its prompt is rendered."""
-        limits = Limits.of(api_key)
-        if limits.unlimited:
-            return
-        verdict, _, _ = await self._verdict(limits, 1, 1, "precheck")
-        if verdict.status == Status.REJECTED:
-            raise _refusal(limits, verdict, 1)
-
     async def _verdict(
-        self, limits: Limits, reserved: int, least: int, mode: str
+        self,
+        limits: Limits,
+        reserved: int,
+        least: int,
+        mode: str,
+        *,
+        admission_id: str | None = None,
+        month: datetime.date | None = None,
     ) -> tuple[Verdict, str, datetime.date]:
-        month = month_start(timezone.now().date())
-        admission_id = uuid.uuid4().hex
+        month = month or month_start(timezone.now().date())
+        admission_id = admission_id or uuid.uuid4().hex
         seed = None
         while True:
             verdict = await self._check_or_undo(
@@ -272,14 +311,15 @@ class Limiter:
             def undo(done: asyncio.Future) -> None:
                 if done.cancelled() or done.exception() is not None:
                     return
-                if done.result().status == Status.ADMITTED and mode == "admit":
+                if done.result().status == Status.ADMITTED and mode in ("admit", "enter"):
                     _in_background(self._retry_release(limits, admission_id, 0, month, first=0))
 
             check.add_done_callback(undo)
             raise
         except LimiterUnavailable:
-            # The backend may have reserved before its answer was lost: undo, to be sure.
-            if mode == "admit":
+            # The backend may have reserved before its answer was lost: undo, to be sure (a lost
+            # "reserve" is undone by its entry's release).
+            if mode in ("admit", "enter"):
                 _in_background(self._retry_release(limits, admission_id, 0, month, first=0))
             raise
 
@@ -318,8 +358,10 @@ class Limiter:
         seed,
         mode: str,
     ) -> Verdict:
-        """Admit (mode "admit": reserve between `least` and `reserved` tokens) or only judge
-        (mode "precheck"); Status.NEED_SEED when the budget needs the month's tokens."""
+        """Mode "admit": count the request, take a parallel slot and reserve between `least`
+        and `reserved` tokens; "enter": only count the request and take the slot (judged as a
+        request of one token); "reserve": reserve the tokens of the entered `admission_id`.
+        Status.NEED_SEED when the budget needs the month's tokens."""
         raise NotImplementedError
 
     async def _peek(self, limits: Limits) -> Verdict:

@@ -100,6 +100,7 @@ class InProcessLimiter(Limiter):
         return -1
 
     async def _check(self, limits, admission_id, reserved, least, month, seed, mode) -> Verdict:
+        enters, reserves = mode in ("admit", "enter"), mode in ("admit", "reserve")
         with self._lock:
             now = time.monotonic() * 1000
             self._sweep(now)
@@ -124,7 +125,7 @@ class InProcessLimiter(Limiter):
             if limits.tpm is not None and least > limits.tpm:
                 verdict.status, verdict.reason = Status.REJECTED, "too_large"
                 return verdict
-            if limits.rpm is not None and verdict.requests + 1 > limits.rpm:
+            if enters and limits.rpm is not None and verdict.requests + 1 > limits.rpm:
                 verdict.status, verdict.reason = Status.REJECTED, "requests"
                 verdict.retry_ms = int(state.requests[0] + self._window_ms - now)
                 return verdict
@@ -135,22 +136,28 @@ class InProcessLimiter(Limiter):
                     verdict.retry_ms = self._tokens_retry_ms(state, excess, now)
                     return verdict
                 grant = min(grant, limits.tpm - verdict.tokens)
-            if limits.max_parallel is not None and len(state.inflight) >= limits.max_parallel:
+            if (
+                enters
+                and limits.max_parallel is not None
+                and len(state.inflight) >= limits.max_parallel
+            ):
                 verdict.status, verdict.reason = Status.REJECTED, "parallel"
                 return verdict
-            if mode == "precheck":
-                return verdict
+            grant = grant if reserves else 0
             verdict.granted = grant
-            if limits.rpm is not None:
+            if enters and limits.rpm is not None:
                 state.requests.append(now)
                 verdict.requests += 1
                 verdict.requests_reset_ms = int(self._window_ms)
-            if limits.tpm is not None:
+            if reserves and limits.tpm is not None:
                 state.tokens[admission_id] = [now, grant]
                 verdict.tokens += grant
                 verdict.tokens_reset_ms = int(self._window_ms)
             if limits.tracks_inflight:
-                state.inflight[admission_id] = (now + self._lease_ms, grant)
+                if enters:
+                    state.inflight[admission_id] = (now + self._lease_ms, grant)
+                elif admission_id in state.inflight:
+                    state.inflight[admission_id] = (state.inflight[admission_id][0], grant)
             if budget is not None:
                 budget.expires_at = now + self._budget_idle_ms
             return verdict

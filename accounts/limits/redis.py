@@ -27,7 +27,8 @@ REDIS_NAMESPACE = "orchard:limits:"
 #       4 in-flight leases (zset id->lease end), 5 in-flight reservations (hash id->tokens),
 #       6 the month's finished tokens (string)
 # ARGV: 1 id, 2 reserved, 3 rpm, 4 tpm, 5 max parallel, 6 budget (-1: no limit), 7 seed (-1: none),
-#       8 window ms, 9 lease ms, 10 budget idle ms, 11 mode ("admit" | "precheck" | "peek"),
+#       8 window ms, 9 lease ms, 10 budget idle ms,
+#       11 mode ("admit" | "enter" | "reserve" | "peek"; base.Limiter._check says what each does),
 #       12 least (the fewest tokens to reserve: `reserved` unless the request is flexible)
 # Returns {status, reason, requests, tokens, requests reset ms, tokens reset ms, retry ms, budget,
 #          granted}.
@@ -39,6 +40,8 @@ local rpm, tpm, par = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local budget, seed = tonumber(ARGV[6]), tonumber(ARGV[7])
 local window, lease, idle = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local least = tonumber(ARGV[12])
+local enters = ARGV[11] == 'admit' or ARGV[11] == 'enter'
+local reserves = ARGV[11] == 'admit' or ARGV[11] == 'reserve'
 local grant = reserved
 
 local function purge(zkey, hkey, upto)
@@ -84,7 +87,7 @@ end
 if tpm >= 0 and least > tpm then
   return {1, 'too_large', requests, tokens, rreset, treset, -1, used, 0}
 end
-if rpm >= 0 and requests + 1 > rpm then
+if enters and rpm >= 0 and requests + 1 > rpm then
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   return {1, 'requests', requests, tokens, rreset, treset,
           tonumber(oldest[2]) + window - now, used, 0}
@@ -99,17 +102,17 @@ if tpm >= 0 and tokens + least > tpm then
   return {1, 'tokens', requests, tokens, rreset, treset, retry, used, 0}
 end
 if tpm >= 0 then grant = math.min(grant, tpm - tokens) end
-if par >= 0 and redis.call('ZCARD', KEYS[4]) >= par then
+if enters and par >= 0 and redis.call('ZCARD', KEYS[4]) >= par then
   return {1, 'parallel', requests, tokens, rreset, treset, -1, used, 0}
 end
-if ARGV[11] == 'precheck' then return {0, '', requests, tokens, rreset, treset, -1, used, 0} end
+if not reserves then grant = 0 end
 
-if rpm >= 0 then
+if enters and rpm >= 0 then
   redis.call('ZADD', KEYS[1], now, id)
   redis.call('PEXPIRE', KEYS[1], window)
   requests, rreset = requests + 1, window
 end
-if tpm >= 0 then
+if reserves and tpm >= 0 then
   redis.call('ZADD', KEYS[2], now, id)
   redis.call('HSET', KEYS[3], id, grant)
   redis.call('PEXPIRE', KEYS[2], window)
@@ -117,10 +120,14 @@ if tpm >= 0 then
   tokens, treset = tokens + grant, window
 end
 if par >= 0 or budget >= 0 then
-  redis.call('ZADD', KEYS[4], now + lease, id)
-  redis.call('HSET', KEYS[5], id, grant)
-  redis.call('PEXPIRE', KEYS[4], lease)
-  redis.call('PEXPIRE', KEYS[5], lease)
+  if enters then
+    redis.call('ZADD', KEYS[4], now + lease, id)
+    redis.call('PEXPIRE', KEYS[4], lease)
+  end
+  if enters or redis.call('ZSCORE', KEYS[4], id) then
+    redis.call('HSET', KEYS[5], id, grant)
+    redis.call('PEXPIRE', KEYS[5], lease)
+  end
 end
 if budget >= 0 then redis.call('PEXPIRE', KEYS[6], idle) end
 return {0, '', requests, tokens, rreset, treset, -1, used, grant}

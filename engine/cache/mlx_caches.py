@@ -149,15 +149,16 @@ def remember(
     tokens: Sequence[int],
     cache: Cache,
     *,
+    scope: str,
     row: int | None = None,
     hybrid: bool = False,
 ) -> None:
     """Insert the computed state of `tokens` (the first len(tokens) positions of `cache`, or
-    of its row `row`) into the prefix cache."""
+    of its row `row`) into the prefix cache, under the request's `scope`."""
     if prefix_cache is None or not tokens:
         return
     state = state_of(cache, row) if hybrid else None
-    prefix_cache.insert(tokens, kv_source(cache, row), state)
+    prefix_cache.insert(tokens, kv_source(cache, row), state, scope=scope)
 
 
 def start_cache(

@@ -7,6 +7,11 @@ also carry a snapshot of that state *at its end*. A match walks the tree: on a d
 prefix is usable (a partial edge is sliced); on a hybrid model only a node end with a snapshot
 is, so a prefix without one is a shorter hit or a miss, never a wrong one.
 
+Scopes: every request names one (GenerationRequest.cache_scope) and each scope has a tree of its
+own, so a request never reuses, nor times, state that another scope's requests computed: the
+server gives callers that must not learn each other's prompts different scopes (tenants). The
+trees share one byte budget and one least-recently-used order.
+
 Memory: every byte is counted; the cache never holds more than its budget, evicting the least
 recently used leaves that no running request holds (`lock`). Entries are copies, so a request
 seeded from the cache shares nothing with it and eviction can never change a running request.
@@ -70,6 +75,7 @@ class _Node:
     locks: int = 0
     last_used: int = 0
     removed: bool = False
+    scope: str | None = None  # set on a scope's root (which holds no tokens)
 
     @property
     def nbytes(self) -> int:
@@ -130,7 +136,7 @@ class PrefixCache:
     def __init__(self, *, max_bytes: int, hybrid: bool = False):
         self.max_bytes = max_bytes
         self.hybrid = hybrid
-        self._root = _Node((), [])
+        self._roots: dict[str, _Node] = {}  # by scope; a scope's root goes with its last entry
         self._clock = itertools.count(1)
         # Eviction candidates, least recently used first: (last_used, tie, node) pushed when a
         # node may have become an unlocked leaf; stale entries are skipped when popped.
@@ -151,12 +157,16 @@ class PrefixCache:
             **self._counts, nodes=self._nodes, bytes=self._bytes, max_bytes=self.max_bytes
         )
 
-    def match(self, tokens: Sequence[int], *, limit: int) -> PrefixHit:
-        """The longest cached prefix of `tokens` usable to resume from, at most `limit` tokens
-        (a prompt resumes at most one token before its end: that token gives the first output)."""
+    def match(self, tokens: Sequence[int], *, limit: int, scope: str = "") -> PrefixHit:
+        """The longest prefix of `tokens` cached in `scope` usable to resume from, at most
+        `limit` tokens (a prompt resumes at most one token before its end: that token gives the
+        first output)."""
         self._counts["lookups"] += 1
         limit = min(limit, len(tokens))
-        node, position, path = self._root, 0, []
+        node = self._roots.get(scope)
+        if node is None:
+            return MISS
+        position, path = 0, []
         resumable = (0, 0)  # (length, path entries) of the deepest usable point
         while position < limit:
             child = node.children.get(tokens[position])
@@ -199,15 +209,23 @@ class PrefixCache:
                 self._candidate(node)
 
     def insert(
-        self, tokens: Sequence[int], source: KVSource, state: LayerState | None = None
+        self,
+        tokens: Sequence[int],
+        source: KVSource,
+        state: LayerState | None = None,
+        *,
+        scope: str = "",
     ) -> None:
-        """Store the computed state of `tokens`: `source(start, end)` copies the keys and values
-        of the tokens the tree does not hold yet; `state` is the recurrent state after the
-        last token (hybrid models: required for the entry to be resumable)."""
+        """Store the computed state of `tokens` in `scope`: `source(start, end)` copies the keys
+        and values of the tokens the scope's tree does not hold yet; `state` is the recurrent
+        state after the last token (hybrid models: required for the entry to be resumable)."""
         tokens = tuple(tokens)
         if not tokens or (self.hybrid and state is None):
             return
-        node, position = self._root, 0
+        node = self._roots.get(scope)
+        if node is None:
+            node = self._roots[scope] = _Node((), [], scope=scope)
+        position = 0
         now = next(self._clock)
         while position < len(tokens):
             child = node.children.get(tokens[position])
@@ -296,7 +314,7 @@ class PrefixCache:
         return None
 
     def _walk(self):
-        stack = list(self._root.children.values())
+        stack = [node for root in self._roots.values() for node in root.children.values()]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -311,9 +329,13 @@ class PrefixCache:
         self._counts["evictions"] += 1
         self._counts["evicted_bytes"] += freed
         parent = node.parent
+        if parent.scope is not None:  # a root
+            if not parent.children:
+                del self._roots[parent.scope]
+            return
         # On a hybrid model, an internal node left without children or a snapshot can never be
         # resumed from: it goes too.
-        if parent is self._root or parent.children:
+        if parent.children:
             return
         if self.hybrid and not parent.state and not parent.locks:
             self._remove(parent)

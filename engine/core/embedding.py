@@ -1,14 +1,19 @@
 """EmbeddingEngine: one embedding model (engine/models/embeddings.py) served from its own thread.
 
-The thread loads the model, so it is the only one that touches the model's MLX arrays. Requests
-queue; the thread takes every request waiting (up to `MAX_BATCH_SEQUENCES` sequences), sorts
-their sequences by length and runs them in padded batches of similar length (a mask hides the
-padding), so concurrent callers share forwards, and hands each caller its own vectors.
+The thread loads the model, so it is the only one that touches the model's MLX arrays. Each
+request is an `EmbeddingJob`. Every step the thread takes the jobs submitted meanwhile, lets go
+of those cancelled, and runs one padded forward (a mask hides the padding): the shortest waiting
+input of the job whose turn it is, with the waiting inputs of every job nearest it in length, as
+many as MAX_BATCH_SEQUENCES and MAX_BATCH_TOKENS allow. Jobs take turns, so a small request waits
+a forward or two, never for a large one's thousands of inputs; concurrent requests of similar
+lengths share forwards; a job whose client left stops between forwards, and its count of the
+tokens computed is what its client is billed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -31,13 +36,53 @@ MAX_BATCH_SEQUENCES = 64
 MAX_BATCH_TOKENS = 8192  # padded tokens in one forward
 
 
+class EmbeddingJob:
+    """One request's inputs in an EmbeddingEngine.
+
+    `future` resolves with their (n, dimensions) float32 vectors, or with the error that stopped
+    them; cancelling it (asyncio does when the task awaiting it is cancelled) stops the job
+    before the engine's next forward. `num_computed_tokens` counts the tokens of the inputs
+    embedded so far; `ended` resolves with it, final, once the engine has let go of the job.
+    """
+
+    def __init__(self, token_ids: list, turn: int):
+        self.rows: list = token_ids  # as submitted, until the engine has checked them (start)
+        self.future: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+        self.ended: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self.num_computed_tokens = 0
+        self.turn = turn  # jobs take turns in this order (the engine's thread renews it)
+        self.waiting: set[int] = set()  # rows without a vector yet
+        self._vectors: dict[int, np.ndarray] = {}
+
+    def start(self, rows: list[list[int]]) -> None:
+        self.rows = rows
+        self.waiting = set(range(len(rows)))
+
+    def computed(self, row: int, vector: np.ndarray) -> None:
+        self._vectors[row] = vector
+        self.waiting.discard(row)
+        self.num_computed_tokens += len(self.rows[row])
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Let go of the job: its vectors, `error`, or (cancelled) nothing more."""
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            elif not self.future.cancelled():
+                self.future.set_result(np.stack([self._vectors[r] for r in range(len(self.rows))]))
+        except concurrent.futures.InvalidStateError:
+            pass  # cancelled by its caller meanwhile
+        self.ended.set_result(self.num_computed_tokens)
+
+
 class EmbeddingEngine:
-    """One embedding model served from its own thread, batching whatever is waiting.
+    """One embedding model served from its own thread, its jobs batched forward by forward.
 
     The EngineWorker drives it as it drives an EngineLoop: `start` loads the model on the
     thread (`ready` resolves with its info, or with the load's exception), `drain` refuses new
-    requests and lets the queued ones finish, `stop` fails those not yet running instead, and
-    `ended` resolves once the thread has ended (with the reason if it died).
+    requests and lets those submitted finish, `stop` fails them instead (those under way at
+    their next forward), and `ended` resolves once the thread has ended (with the reason if it
+    died).
     """
 
     def __init__(self, spec: ModelSpec, load: Callable[[], EmbeddingModel]):
@@ -49,8 +94,10 @@ class EmbeddingEngine:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closing = False  # set by drain, stop or the thread's end: submit refuses
-        self._num_queued = 0  # requests submitted and not yet taken by the thread
-        self._num_running = 0  # requests in the forwards under way
+        self._stopping = False  # set by stop: the jobs under way end at the next forward
+        self._num_queued = 0  # jobs submitted and not yet taken by the thread
+        self._jobs: list[EmbeddingJob] = []  # taken by the thread and not ended (its own)
+        self._turns = itertools.count()
         self.num_forwards = 0
         self._num_tokens = 0
         self._thread = threading.Thread(
@@ -73,34 +120,32 @@ class EmbeddingEngine:
         self._thread.start()
         return self.ready
 
-    def submit(self, token_ids: Sequence[Sequence[int]]) -> concurrent.futures.Future:
-        """Queue inputs (thread-safe); the future's result is their (n, dimensions) vectors,
-        its exception InvalidRequestError for inputs the model cannot take, or
-        ModelNotLoadedError once the engine is retired."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def submit(self, token_ids: Sequence[Sequence[int]]) -> EmbeddingJob:
+        """Queue inputs (thread-safe). The job's future fails with InvalidRequestError for
+        inputs the model cannot take, or ModelNotLoadedError once the engine is retired."""
+        job = EmbeddingJob(list(token_ids), next(self._turns))
         with self._lock:
-            if self._closing:
-                future.set_exception(ModelNotLoadedError(self._retired_message()))
-                return future
-            self._num_queued += 1
-            self._queue.put((list(token_ids), future))
-        return future
+            if not self._closing:
+                self._num_queued += 1
+                self._queue.put(job)
+                return job
+        job.end(ModelNotLoadedError(self._retired_message()))
+        return job
 
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        if isinstance(texts, str) or not all(isinstance(text, str) for text in texts):
-            raise InvalidRequestError("Only strings can be tokenized.", param="input")
+    def tokenizer(self):
+        """The model's `tokenizers.Tokenizer` (thread-safe), to tokenize away from this thread."""
         model = self.model
         if model is None:
             raise ModelNotLoadedError(self._retired_message())
-        return model.tokenize(texts)  # the tokenizers library is thread-safe
+        return model.tokenizer
 
     def has_requests(self) -> bool:
         with self._lock:
-            return bool(self._num_queued or self._num_running)
+            return bool(self._num_queued or self._jobs)
 
     def stats(self) -> EngineStats:
         with self._lock:
-            num_waiting, num_running = self._num_queued, self._num_running
+            num_waiting, num_running = self._num_queued, len(self._jobs)
         return EngineStats(
             model=self.spec.name,
             num_waiting=num_waiting,
@@ -110,16 +155,17 @@ class EmbeddingEngine:
         )
 
     def drain(self) -> None:
-        """Refuse new requests; the thread ends once the queued ones have run (returns at
+        """Refuse new requests; the thread ends once those submitted have run (returns at
         once)."""
         with self._lock:
             self._closing = True
             self._queue.put(None)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Fail the requests not yet running, and join the thread."""
+        """Fail the requests not yet taken at once and those under way at their next forward,
+        and join the thread."""
         with self._lock:
-            self._closing = True
+            self._closing = self._stopping = True
         self._fail_queued()
         self._queue.put(None)
         if self._thread.is_alive():
@@ -131,15 +177,14 @@ class EmbeddingEngine:
     def _fail_queued(self) -> None:
         while True:
             try:
-                item = self._queue.get_nowait()
+                job = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is None:
+            if job is None:
                 continue
             with self._lock:
                 self._num_queued -= 1
-            if item[1].set_running_or_notify_cancel():
-                item[1].set_exception(ModelNotLoadedError(self._retired_message()))
+            job.end(ModelNotLoadedError(self._retired_message()))
 
     def _main(self) -> None:
         try:
@@ -159,34 +204,54 @@ class EmbeddingEngine:
             with self._lock:
                 self._closing = True
             self._fail_queued()
+            self._end_jobs(list(self._jobs), ModelNotLoadedError(self._retired_message()))
             self.model = None  # its weights go now, not when the worker forgets the engine
             self.ended.set_result(error)
 
     def _serve(self) -> None:
+        """schedule → run → update, one forward a step, until the end-of-queue marker came and
+        the jobs taken before it have ended (or `stop`)."""
+        last = False
         while True:
-            item = self._queue.get()
-            if item is None:
+            if not last:
+                last = self._take(wait=not self._jobs)
+            if self._stopping:
+                return  # _main fails the jobs left
+            self._end_jobs([job for job in self._jobs if job.future.cancelled()])
+            if self._jobs:
+                anchor = min(self._jobs, key=lambda job: job.turn)
+                self._step(self._next_batch(anchor))
+                # To the back of the line, behind the jobs submitted during the forward.
+                anchor.turn = next(self._turns)
+            elif last:
                 return
-            work = [item]
-            num_sequences = len(item[0])
-            while num_sequences < MAX_BATCH_SEQUENCES:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._queue.put(None)
-                    break
-                work.append(more)
-                num_sequences += len(more[0])
-            with self._lock:
-                self._num_queued -= len(work)
-                self._num_running = len(work)
+
+    def _take(self, *, wait: bool) -> bool:
+        """Take the jobs submitted (waiting for one when `wait`); True at the end-of-queue
+        marker."""
+        while True:
             try:
-                self._run([w for w in work if w[1].set_running_or_notify_cancel()])
-            finally:
-                with self._lock:
-                    self._num_running = 0
+                job = self._queue.get(block=wait)
+            except queue.Empty:
+                return False
+            if job is None:
+                return True
+            wait = False
+            with self._lock:
+                self._num_queued -= 1
+            try:
+                job.start(self._checked(job.rows))
+            except InvalidRequestError as exc:
+                job.end(exc)
+                continue
+            with self._lock:
+                self._jobs.append(job)
+
+    def _end_jobs(self, jobs: list[EmbeddingJob], error: BaseException | None = None) -> None:
+        for job in jobs:
+            with self._lock:
+                self._jobs.remove(job)
+            job.end(error)
 
     def _checked(self, token_ids: list) -> list[list[int]]:
         """The inputs as lists of ids: InvalidRequestError for an id outside the vocabulary or
@@ -216,37 +281,40 @@ class EmbeddingEngine:
             raise InvalidRequestError("No inputs to embed.", param="input")
         return rows
 
-    def _run(self, work: list[tuple[list, concurrent.futures.Future]]) -> None:
-        checked = []
-        for token_ids, future in work:
-            try:
-                checked.append((self._checked(token_ids), future))
-            except InvalidRequestError as exc:
-                future.set_exception(exc)
-        work = checked
-        flat = [(w, row) for w, (token_ids, _) in enumerate(work) for row in range(len(token_ids))]
-        order = sorted(flat, key=lambda wr: len(work[wr[0]][0][wr[1]]))
-        vectors: dict[tuple[int, int], np.ndarray] = {}
+    def _next_batch(self, anchor: EmbeddingJob) -> list[tuple[EmbeddingJob, int]]:
+        """The rows of the next forward: the shortest waiting row of `anchor` (the job whose
+        turn it is), and around it the waiting rows of any job nearest it in length (longer
+        first, then shorter, which add no padding), while the batch holds at most
+        MAX_BATCH_SEQUENCES rows and MAX_BATCH_TOKENS padded tokens."""
+        waiting = sorted(
+            (len(job.rows[row]), number, row)
+            for number, job in enumerate(self._jobs)
+            for row in job.waiting
+        )
+        number = self._jobs.index(anchor)
+        lo = next(i for i, (_, n, _) in enumerate(waiting) if n == number)
+        hi = lo + 1
+
+        def fits(lo: int, hi: int) -> bool:
+            longest = waiting[hi - 1][0]
+            return hi - lo <= MAX_BATCH_SEQUENCES and longest * (hi - lo) <= MAX_BATCH_TOKENS
+
+        while hi < len(waiting) and fits(lo, hi + 1):
+            hi += 1
+        while lo > 0 and fits(lo - 1, hi):
+            lo -= 1
+        return [(self._jobs[n], row) for _, n, row in waiting[lo:hi]]
+
+    def _step(self, batch: list[tuple[EmbeddingJob, int]]) -> None:
+        jobs = list(dict.fromkeys(job for job, _ in batch))
         try:
-            start = 0
-            while start < len(order):
-                end = start + 1
-                while end < len(order) and end - start < MAX_BATCH_SEQUENCES:
-                    longest = len(work[order[end][0]][0][order[end][1]])
-                    if longest * (end - start + 1) > MAX_BATCH_TOKENS:
-                        break
-                    end += 1
-                batch = order[start:end]
-                out = self.model.embed([work[w][0][row] for w, row in batch])
-                self.num_forwards += 1
-                self._num_tokens += sum(len(work[w][0][row]) for w, row in batch)
-                for position, key in enumerate(batch):
-                    vectors[key] = out[position]
-                start = end
+            vectors = self.model.embed([job.rows[row] for job, row in batch])
         except Exception as exc:
             logger.exception("embedding forward failed")
-            for _, future in work:
-                future.set_exception(exc)
+            self._end_jobs(jobs, exc)
             return
-        for w, (token_ids, future) in enumerate(work):
-            future.set_result(np.stack([vectors[(w, row)] for row in range(len(token_ids))]))
+        self.num_forwards += 1
+        self._num_tokens += sum(len(job.rows[row]) for job, row in batch)
+        for position, (job, row) in enumerate(batch):
+            job.computed(row, vectors[position])
+        self._end_jobs([job for job in jobs if not job.waiting])

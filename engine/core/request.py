@@ -84,6 +84,10 @@ class Request:
         return len(self.spec.prompt_token_ids)
 
     @property
+    def cache_scope(self) -> str:
+        return self.spec.cache_scope
+
+    @property
     def status(self) -> RequestStatus:
         """The least advanced status of its sequences: finished only when all are."""
         return min(seq.status for seq in self.sequences)

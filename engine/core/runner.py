@@ -13,7 +13,7 @@ give the first token. In float32 the padded batch changes no greedy token (docs/
 
 With a prefix cache, a request admitted with a hit starts from a cache seeded with it; the state
 of every completed prompt (all but its last token), of every prompt checkpoint and of every
-sequence that finishes is inserted into the cache for later requests.
+sequence that finishes is inserted into the cache for later requests of the same cache scope.
 """
 
 from __future__ import annotations
@@ -119,11 +119,18 @@ class BatchRunner:
                 # A row that ran ahead has also been fed its last sampled token.
                 length = seq.num_computed_tokens + (id(seq) in ahead)
                 tokens = (seq.request.prompt_token_ids + tuple(seq.output_token_ids))[:length]
-                self._remember(tokens, self._cache, row)
+                self._remember(seq.request, tokens, self._cache, row)
         self._keep_rows(keep)
 
-    def _remember(self, tokens, cache: Cache, row: int | None = None) -> None:
-        remember(self.prefix_cache, tokens, cache, row=row, hybrid=self.hybrid)
+    def _remember(self, request: Request, tokens, cache: Cache, row: int | None = None) -> None:
+        remember(
+            self.prefix_cache,
+            tokens,
+            cache,
+            scope=request.cache_scope,
+            row=row,
+            hybrid=self.hybrid,
+        )
 
     def reset(self) -> None:
         self._rows, self._cache, self._prefill_caches, self._ahead = [], None, {}, None
@@ -219,19 +226,19 @@ class BatchRunner:
             if not chunk.completes_prompt:
                 prefill(self.model, cache, prompt[chunk.start : end])
                 if end in request.checkpoints:
-                    self._remember(prompt[:end], cache)
+                    self._remember(request, prompt[:end], cache)
                 continue
             del self._prefill_caches[request.request_id]
             seqs = request.live_sequences()
             if self.hybrid:
                 prefill(self.model, cache, prompt[chunk.start : end - 1])
-                self._remember(prompt[: end - 1], cache)
+                self._remember(request, prompt[: end - 1], cache)
                 done.joining += seqs
                 joining_caches += [cache] * len(seqs)
                 continue
             tokens = mx.array(prompt[chunk.start : end])[None]
             logits = self._last_logits(tokens, cache, [end - chunk.start - 1])
-            self._remember(prompt, cache)
+            self._remember(request, prompt, cache)
             done.sampled.append((seqs, sample_first(logits, seqs)))
             sampled_caches += [cache] * len(seqs)
         done.cache = merge(joining_caches) if joining_caches else None
@@ -290,7 +297,7 @@ class BatchRunner:
             for layer in cache:
                 layer.finalize()
         for row, (request, end) in enumerate(zip(requests, ends, strict=True)):
-            self._remember(request.prompt_token_ids[:end], cache, row)
+            self._remember(request, request.prompt_token_ids[:end], cache, row)
         rows = [i for i, request in enumerate(requests) for _ in request.live_sequences()]
         if len(rows) > len(requests):  # n > 1: every choice gets its own copy of the rows
             for layer in cache:
@@ -344,8 +351,9 @@ class SequenceRunner:
         request = seq.request
         prompt = request.prompt_token_ids
         hit = None
+        scope = request.cache_scope
         if self.prefix_cache is not None:
-            hit = self.prefix_cache.match(prompt, limit=len(prompt) - 1)
+            hit = self.prefix_cache.match(prompt, limit=len(prompt) - 1, scope=scope)
             request.num_cached_tokens = hit.length
         cache = start_cache(self.model, None, hit, len(prompt) - (hit.length if hit else 0))
         start = hit.length if hit is not None else 0
@@ -360,9 +368,9 @@ class SequenceRunner:
                 tokens = mx.array(prompt[start:end])[None]
                 logits = self._last_logits(tokens, cache, [end - start - 1])
             if end in request.checkpoints:
-                remember(self.prefix_cache, prompt[:end], cache, hybrid=self.hybrid)
+                remember(self.prefix_cache, prompt[:end], cache, scope=scope, hybrid=self.hybrid)
             start = end
-        remember(self.prefix_cache, prompt[:stop], cache, hybrid=self.hybrid)
+        remember(self.prefix_cache, prompt[:stop], cache, scope=scope, hybrid=self.hybrid)
         return cache, [] if logits is None else sample(logits, [seq])
 
     def finished(self, seq: Sequence, cache: Cache) -> None:
@@ -370,7 +378,11 @@ class SequenceRunner:
         if self.prefix_cache is not None and seq.status in _KEPT:
             tokens = seq.request.prompt_token_ids + tuple(seq.output_token_ids)
             remember(
-                self.prefix_cache, tokens[: seq.num_computed_tokens], cache, hybrid=self.hybrid
+                self.prefix_cache,
+                tokens[: seq.num_computed_tokens],
+                cache,
+                scope=seq.request.cache_scope,
+                hybrid=self.hybrid,
             )
 
     def step(self, cache: Cache, seqs: list[Sequence]) -> list[Sampled]:

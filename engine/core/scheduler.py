@@ -190,7 +190,11 @@ class Scheduler:
     def _match(self, request: Request) -> None:
         if self.prefix_cache is None:
             return
-        hit = self.prefix_cache.match(request.prompt_token_ids, limit=request.num_prompt_tokens - 1)
+        hit = self.prefix_cache.match(
+            request.prompt_token_ids,
+            limit=request.num_prompt_tokens - 1,
+            scope=request.cache_scope,
+        )
         if hit.length:
             self.prefix_cache.lock(hit)  # until the runner has seeded the request's cache
             request.prefix_hit = hit

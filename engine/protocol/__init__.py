@@ -35,6 +35,7 @@ from engine.protocol.generation import (
 )
 from engine.protocol.models import (
     EmbeddingInfo,
+    EmbeddingProgress,
     EngineStats,
     ModelInfo,
     ModelSpec,
@@ -50,6 +51,7 @@ __all__ = [
     "MAX_STOP_TOKEN_IDS",
     "EmbeddingInfo",
     "EmbeddingLoadError",
+    "EmbeddingProgress",
     "EngineError",
     "EngineOverloadedError",
     "EngineStats",

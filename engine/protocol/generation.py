@@ -198,13 +198,19 @@ class RenderedPrompt:
 class GenerationRequest:
     """`checkpoints`: prompt positions worth resuming from later (the end of the system prompt
     and tools, the conversation before its last user turn): on a hybrid model the engine keeps
-    the recurrent state there for the prefix cache."""
+    the recurrent state there for the prefix cache.
+
+    `cache_scope`: the prefix cache's namespace, an opaque string chosen by the server. A request
+    reuses only state that requests of the same scope computed, so whoever may not learn another
+    caller's prompts (through reused tokens or a faster first token) must not share its scope.
+    "" is the scope of callers that set none."""
 
     request_id: str
     model: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     checkpoints: tuple[int, ...] = ()
+    cache_scope: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -213,6 +219,7 @@ class GenerationRequest:
             "prompt_token_ids": list(self.prompt_token_ids),
             "sampling": self.sampling.to_dict(),
             "checkpoints": list(self.checkpoints),
+            "cache_scope": self.cache_scope,
         }
 
     @classmethod
@@ -223,6 +230,7 @@ class GenerationRequest:
             prompt_token_ids=tuple(data["prompt_token_ids"]),
             sampling=SamplingParams.from_dict(data["sampling"]),
             checkpoints=tuple(data.get("checkpoints", ())),
+            cache_scope=data.get("cache_scope", ""),
         )
 
 

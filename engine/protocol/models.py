@@ -1,6 +1,6 @@
 """What the engine is told about a model (`ModelSpec`) and what it reports back: a loaded model's
-facts (`ModelInfo`, `EmbeddingInfo`), where a name stands (`ModelStatus`) and its load
-(`EngineStats`)."""
+facts (`ModelInfo`, `EmbeddingInfo`), where a name stands (`ModelStatus`), its load
+(`EngineStats`), and how far an embedding call got (`EmbeddingProgress`)."""
 
 from __future__ import annotations
 
@@ -135,3 +135,13 @@ class EmbeddingInfo:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EmbeddingInfo:
         return cls(**data)
+
+
+@dataclass
+class EmbeddingProgress:
+    """How far an `EngineClient.embed` call got: the tokens of the inputs the model embedded.
+    Final once `embed` has returned or raised: a cancelled call stops between the model's
+    forwards and waits (briefly) for the engine to say how far it got, so a client that leaves
+    is billed what its request cost."""
+
+    num_computed_tokens: int = 0

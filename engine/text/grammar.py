@@ -3,8 +3,9 @@
 A request's `SamplingParams.grammar` is an llguidance grammar (from a JSON schema, a Lark
 grammar or a regex), built and checked by the server at its edge. Each loaded model has one
 `Grammars`: its llguidance tokenizer (built once, on first use) and its compiled grammars,
-cached by text, so a schema sent again costs a copy. Each constrained sequence gets a
-`GrammarConstraint`, its own copy of the compiled matcher.
+cached by content, so a schema sent again costs a copy. Each constrained sequence gets a
+`GrammarConstraint`, its own copy of the compiled matcher. The cache is keyed by a digest of
+the grammar's text (the text itself, up to the server's grammar budget, is not kept).
 
 Before every sampling step `allowed_tokens` computes the masks of the step's constrained rows
 together (llguidance's thread pool, outside the GIL) and the sampler draws from the masked
@@ -18,6 +19,7 @@ output short of the grammar (finish_reason "length").
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import threading
 import weakref
@@ -88,7 +90,7 @@ class Grammars:
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = (
+        self._compiled: collections.OrderedDict[bytes, llguidance.LLMatcher] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
@@ -110,10 +112,11 @@ class Grammars:
         """A fresh constraint for one sequence; InvalidRequestError if the grammar is refused
         (naming `param`, the body field it came from)."""
         tokenizer = self.tokenizer()
+        key = hashlib.sha256(grammar.encode()).digest()
         with self._lock:
-            matcher = self._compiled.get(grammar)
+            matcher = self._compiled.get(key)
             if matcher is not None:
-                self._compiled.move_to_end(grammar)
+                self._compiled.move_to_end(key)
         if matcher is None:
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if matcher.is_error():
@@ -121,7 +124,7 @@ class Grammars:
                     f"The grammar could not be compiled: {matcher.get_error()}", param=param
                 )
             with self._lock:
-                self._compiled[grammar] = matcher
+                self._compiled[key] = matcher
                 while len(self._compiled) > COMPILED_GRAMMARS_PER_MODEL:
                     self._compiled.popitem(last=False)
         return GrammarConstraint(matcher.deep_copy())

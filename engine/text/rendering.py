@@ -1,34 +1,29 @@
 """Prompts into token ids: chat messages through the model's template, text through its
-tokenizer, under a time limit. Tokenizers and templates only (no MLX), so a web process that
-reaches its engines over the network renders here too, without a round trip.
+tokenizer, each in a tokenizer process under a deadline that stops it (processes.py).
+Tokenizers and templates only (no MLX), so a web process that reaches its engines over the
+network renders here too, without a round trip.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import functools
 import logging
+from collections.abc import Sequence
 
 from jinja2 import TemplateError
 
 from engine.protocol import InvalidRequestError, PromptInput, RenderedPrompt
-from engine.text.templates import ERROR_TIMEOUT, apply_chat_template, with_deadline
+from engine.text.processes import PROCESSES, TokenizerProcesses
+from engine.text.templates import ERROR_TIMEOUT, apply_chat_template
 
 logger = logging.getLogger(__name__)
 
-# Prompts render on threads of their own, so a burst of slow renders never holds the threads
-# the rest of the process runs blocking work on.
-RENDER_THREADS = 4
-
 
 class PromptRenderer:
-    """Renders prompts on a pool of its own threads, each under a deadline."""
+    """Renders prompts and encodes texts in tokenizer processes of its own, each job under a
+    deadline: a job past it is stopped (its process killed) before the call raises."""
 
-    def __init__(self, threads: int = RENDER_THREADS):
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="orchard-render"
-        )
+    def __init__(self, processes: int = PROCESSES):
+        self.processes = TokenizerProcesses(processes)
 
     async def render(
         self,
@@ -38,24 +33,46 @@ class PromptRenderer:
         checkpoints: bool = False,
         timeout_s: float | None = None,
     ) -> RenderedPrompt:
-        loop = asyncio.get_running_loop()
-        work = functools.partial(render, tokenizer, prompt, checkpoints=checkpoints)
-        if timeout_s is None:
-            return await loop.run_in_executor(self._pool, work)
+        if prompt.token_ids is not None:
+            return RenderedPrompt(tuple(prompt.token_ids))
         param = "messages" if prompt.messages is not None else "prompt"
-        running = loop.run_in_executor(
-            self._pool, functools.partial(with_deadline, work, timeout_s, param=param)
+        return await self.processes.run(
+            tokenizer,
+            _render_job,
+            prompt,
+            checkpoints,
+            timeout_s=timeout_s,
+            timeout_error=_timeout(timeout_s, param),
         )
-        try:
-            # The deadline stops Python code; this stops waiting for C code that runs on.
-            return await asyncio.wait_for(asyncio.shield(running), timeout_s + 1.0)
-        except TimeoutError:
-            raise InvalidRequestError(
-                ERROR_TIMEOUT.format(seconds=timeout_s), param=param
-            ) from None
+
+    async def encode(
+        self, tokenizer, texts: Sequence[str], *, timeout_s: float | None = None
+    ) -> list[list[int]]:
+        """Each text's token ids by a `tokenizers.Tokenizer` (an embedding model's)."""
+        if isinstance(texts, str) or not all(isinstance(text, str) for text in texts):
+            raise InvalidRequestError("Only strings can be tokenized.", param="input")
+        return await self.processes.run(
+            tokenizer,
+            encode_texts,
+            list(texts),
+            timeout_s=timeout_s,
+            timeout_error=_timeout(timeout_s, "input"),
+        )
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.processes.close()
+
+
+def _timeout(seconds: float | None, param: str) -> InvalidRequestError:
+    return InvalidRequestError(ERROR_TIMEOUT.format(seconds=seconds or 0), param=param)
+
+
+def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [encoding.ids for encoding in tokenizer.encode_batch(texts)]
+
+
+def _render_job(tokenizer, prompt: PromptInput, checkpoints: bool) -> RenderedPrompt:
+    return render(tokenizer, prompt, checkpoints=checkpoints)
 
 
 # Tokens at the end of a chat prompt decoded for `RenderedPrompt.tail_text`.

@@ -1,4 +1,4 @@
-"""Chat-template rendering: what a caller may pass to the template, and a time limit on it.
+"""Chat-template rendering: what a caller may pass to the template.
 
 `chat_template_kwargs` exist to set template *variables* (`enable_thinking`, ...). Everything
 else `apply_chat_template` accepts is the server's to decide: a caller-supplied `chat_template`
@@ -7,9 +7,7 @@ back, `tools`/`documents`/`messages` would bypass validation, and the special-to
 rewrite what the template writes. Those keys are refused (vLLM closed the same hole as
 GHSA-6fvq-23cw-5628).
 
-Rendering runs Jinja in a thread nobody can cancel, so it runs under a deadline: a trace
-function installed for the rendering thread raises once the deadline has passed, at the next
-Python function call (every Jinja loop iteration makes one).
+Rendering runs in a tokenizer process that its deadline kills (engine/text/processes.py).
 
 Tokenizer-only: nothing here touches MLX, so it runs off the engine thread.
 """
@@ -18,17 +16,13 @@ from __future__ import annotations
 
 import inspect
 import re
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from engine.protocol import InvalidRequestError
 from engine.text import harmony
-
-T = TypeVar("T")
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SPECIAL_TOKEN_NAMES = frozenset(
@@ -115,28 +109,3 @@ def apply_chat_template(
         **variables,
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-class _DeadlinePassed(BaseException):
-    # A BaseException, so that no `except Exception` inside Jinja or transformers swallows it.
-    pass
-
-
-def with_deadline(fn: Callable[[], T], seconds: float, *, param: str = "messages") -> T:
-    """Run `fn` on this thread, raising InvalidRequestError (naming `param`) if it runs past
-    `seconds`. Only Python code is interrupted; the time of one C call is not bounded."""
-    deadline = time.monotonic() + seconds
-
-    def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise _DeadlinePassed
-        return None  # no per-line tracing: a check per call is enough and cheap
-
-    previous = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        return fn()
-    except _DeadlinePassed:
-        raise InvalidRequestError(ERROR_TIMEOUT.format(seconds=seconds), param=param) from None
-    finally:
-        sys.settrace(previous)

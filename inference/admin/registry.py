@@ -70,6 +70,7 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
                     "prefill_chunk_tokens",
                     "memory_budget_bytes",
                     "prefix_cache_bytes",
+                    "prefix_cache_shared",
                     "cache_stats",
                 ]
             },

@@ -9,7 +9,7 @@ from django.utils.html import format_html
 from accounts.admin import ReadOnlyAdmin, VisibleTeamFilter
 from inference.admin.lists import CappedCountPaginator, WideListMixin
 from inference.models import StoredResponse
-from inference.services.responses import responses_visible_to
+from inference.services.stored_responses import responses_visible_to, stored_input_items
 
 
 @admin.register(StoredResponse)
@@ -46,7 +46,7 @@ class StoredResponseAdmin(WideListMixin, ReadOnlyAdmin):
 
     @admin.display(description="input items (the conversation it answered)")
     def conversation(self, obj: StoredResponse):
-        return _pretty_json(obj.input_items)
+        return _pretty_json(stored_input_items(obj) or [])
 
     def get_queryset(self, request):
         return responses_visible_to(user=request.user)

@@ -3,6 +3,7 @@
 import datetime
 
 from django.contrib import admin
+from django.core.exceptions import PermissionDenied
 from django.db.models import Q
 from django.template.response import TemplateResponse
 from django.urls import path
@@ -10,7 +11,8 @@ from django.utils import timezone
 
 from accounts import keys
 from accounts.admin import KeySearchMixin, ReadOnlyAdmin, VisibleTeamFilter
-from inference.admin.lists import CappedCountPaginator, WideListMixin
+from accounts.models import ApiKey, Team
+from inference.admin.lists import CappedCountPaginator, WideListMixin, admin_list_rows
 from inference.models import DailyUsage, UsageRecord
 from inference.services.usage import daily_usage_visible_to, usage_records_visible_to, usage_totals
 
@@ -99,11 +101,20 @@ class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
         return [totals, *super().get_urls()]
 
     def totals_view(self, request):
+        """Per-team and per-key totals, under the lists' own permissions: the page needs the
+        usage list's; the team table lists only the teams the team list shows the user, the key
+        table only the keys the key list shows (neither table without its list's permission)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
         today = timezone.now().date()
         since = _parse_date(request.GET.get("since"), today.replace(day=1))
         until = _parse_date(request.GET.get("until"), today)
         totals = usage_totals(
-            daily=daily_usage_visible_to(user=request.user), since=since, until=until
+            daily=daily_usage_visible_to(user=request.user),
+            since=since,
+            until=until,
+            teams=admin_list_rows(request, Team),
+            api_keys=admin_list_rows(request, ApiKey),
         )
         context = {
             **self.admin_site.each_context(request),

@@ -12,13 +12,7 @@ from django.views.decorators.http import require_POST
 
 from engine import PromptInput
 from inference.api import openai_format as fmt
-from inference.api.common import (
-    authenticate,
-    json_response,
-    parse_json_body,
-    streaming_response,
-    validate,
-)
+from inference.api.common import intake_for, json_response, read_body, streaming_response
 from inference.api.serializers import ChatCompletionSerializer, MessageError, normalize_messages
 from inference.errors import APIError
 from inference.services.generation import GenerationCall, generation_start
@@ -99,6 +93,7 @@ def chat_call(data: dict[str, Any]) -> GenerationCall:
         tools=tools,
         parallel_tool_calls=data.get("parallel_tool_calls") is not False,
         require_tool_call=requires_tool_call(data.get("tool_choice"), tools),
+        cache_salt=data.get("cache_salt"),
     )
 
 
@@ -125,11 +120,9 @@ def structured_output(
 @csrf_exempt
 @require_POST
 async def chat_completions(request: HttpRequest) -> HttpResponse:
-    api_key = await authenticate(request)
-    data = validate(ChatCompletionSerializer, parse_json_body(request))
-    generation = await generation_start(
-        api_key=api_key, request_id=request.orchard_request_id, call=chat_call(data)
-    )
+    async with intake_for(request, "chat.completions") as intake:
+        data, call = await intake.in_thread(read_body, request, ChatCompletionSerializer, chat_call)
+        generation = await generation_start(intake=intake, call=call)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if data.get("stream"):

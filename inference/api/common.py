@@ -1,5 +1,6 @@
-"""What every /v1 endpoint shares before and after the generation service: the key, the body,
-its serializer, and the response objects (JSON, or an SSE stream that always ends)."""
+"""What every /v1 endpoint shares before and after the generation service: the key and the
+request's intake, the body and its serializer (read off the event loop), and the response
+objects (JSON, or an SSE stream that always ends)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import RequestDataTooBig
@@ -19,6 +20,7 @@ from accounts.authentication import AuthenticationError, authenticate_header
 from accounts.models import ApiKey
 from inference.api import jsonbody
 from inference.errors import APIError
+from inference.services.admission import Intake, request_intake
 from inference.services.output import GenerationFailed
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,7 @@ ERROR_UNPARSABLE = (
     "your HTTP library correctly.)"
 )
 ERROR_STREAM_FAILED = "The server had an error while streaming this response."
+T = TypeVar("T")
 
 
 async def authenticate(request: HttpRequest, *, x_api_key: bool = False) -> ApiKey:
@@ -42,6 +45,31 @@ async def authenticate(request: HttpRequest, *, x_api_key: bool = False) -> ApiK
         raise APIError(401, exc.message, code=exc.code) from None
     request.orchard_api_key = api_key  # for the middleware's x-ratelimit-* headers
     return api_key
+
+
+@contextlib.asynccontextmanager
+async def intake_for(
+    request: HttpRequest, endpoint: str, *, x_api_key: bool = False
+) -> AsyncIterator[Intake]:
+    """The request's key, and its intake: the key's limits spent before the body is read (a
+    429 here costs nothing), the slot given back when the block ends unless the request was
+    admitted (inference/services/admission.py)."""
+    api_key = await authenticate(request, x_api_key=x_api_key)
+    async with request_intake(
+        api_key=api_key, request_id=request.orchard_request_id, endpoint=endpoint
+    ) as intake:
+        yield intake
+
+
+def read_body(
+    request: HttpRequest,
+    serializer_class: type[serializers.Serializer],
+    build: Callable[[dict[str, Any]], T] | None = None,
+) -> tuple[dict[str, Any], T | None]:
+    """The body parsed, validated by `serializer_class`, and what `build` makes of it (an
+    endpoint's call, with its grammar): work that grows with the body, for `Intake.in_thread`."""
+    data = validate(serializer_class, parse_json_body(request))
+    return data, None if build is None else build(data)
 
 
 def parse_json_body(request: HttpRequest) -> dict[str, Any]:

@@ -13,13 +13,7 @@ from django.views.decorators.http import require_POST
 from engine import PromptInput
 from inference.api import openai_format as fmt
 from inference.api.chat import SAMPLING_FIELDS
-from inference.api.common import (
-    authenticate,
-    json_response,
-    parse_json_body,
-    streaming_response,
-    validate,
-)
+from inference.api.common import intake_for, json_response, read_body, streaming_response
 from inference.api.serializers import CompletionSerializer
 from inference.errors import APIError
 from inference.services.generation import GenerationCall, generation_start
@@ -59,17 +53,18 @@ def completion_call(data: dict[str, Any]) -> GenerationCall:
         default_max_tokens=DEFAULT_MAX_TOKENS,
         echo=bool(data.get("echo")),
         param_names={"top_logprobs": "logprobs"},
+        cache_salt=data.get("cache_salt"),
     )
 
 
 @csrf_exempt
 @require_POST
 async def completions(request: HttpRequest) -> HttpResponse:
-    api_key = await authenticate(request)
-    data = validate(CompletionSerializer, parse_json_body(request))
-    generation = await generation_start(
-        api_key=api_key, request_id=request.orchard_request_id, call=completion_call(data)
-    )
+    async with intake_for(request, "completions") as intake:
+        data, call = await intake.in_thread(
+            read_body, request, CompletionSerializer, completion_call
+        )
+        generation = await generation_start(intake=intake, call=call)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     want_logprobs = data.get("logprobs") is not None

@@ -12,7 +12,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 from rest_framework import serializers
 
-from inference.api.common import authenticate, json_response, parse_json_body, validate
+from inference.api.common import intake_for, json_response, read_body
 from inference.api.serializers import IntField, StrictCharField, _is_int
 from inference.services.embeddings import embeddings_create
 
@@ -52,15 +52,14 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 @csrf_exempt
 @require_POST
 async def embeddings(request: HttpRequest) -> HttpResponse:
-    api_key = await authenticate(request)
-    data = validate(EmbeddingsSerializer, parse_json_body(request))
-    result = await embeddings_create(
-        api_key=api_key,
-        request_id=request.orchard_request_id,
-        model=data["model"],
-        inputs=data["input"],
-        dimensions=data.get("dimensions"),
-    )
+    async with intake_for(request, "embeddings") as intake:
+        data, _ = await intake.in_thread(read_body, request, EmbeddingsSerializer)
+        result = await embeddings_create(
+            intake=intake,
+            model=data["model"],
+            inputs=data["input"],
+            dimensions=data.get("dimensions"),
+        )
     encoding = data.get("encoding_format") or "float"
     body = {
         "object": "list",

@@ -12,6 +12,7 @@ from engine import InvalidRequestError, check_template_kwargs
 from inference.api import jsonbody
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CACHE_SALT_CHARS = 256
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")
 
 
@@ -40,6 +41,21 @@ class StrictBooleanField(serializers.BooleanField):
         if isinstance(data, bool):
             return data
         self.fail("invalid", input=data)
+
+
+class CacheSaltField(StrictCharField):
+    """`cache_salt` (as in vLLM): a non-empty string of at most MAX_CACHE_SALT_CHARS that narrows
+    the prefix cache a request may reuse to requests with the same salt (and team); null or
+    absent: none."""
+
+    default_error_messages = {
+        "invalid": "cache_salt must be a string.",
+        "blank": "cache_salt must not be empty.",
+        "max_length": f"cache_salt takes at most {MAX_CACHE_SALT_CHARS} characters.",
+    }
+
+    def __init__(self, **kwargs):
+        super().__init__(required=False, allow_null=True, max_length=MAX_CACHE_SALT_CHARS, **kwargs)
 
 
 class NumberField(serializers.Field):
@@ -130,6 +146,7 @@ class SamplingSerializer(serializers.Serializer):
     stream = StrictBooleanField(required=False, allow_null=True)
     stream_options = serializers.DictField(required=False, allow_null=True)
     user = StrictCharField(required=False, allow_null=True, allow_blank=True)
+    cache_salt = CacheSaltField()
 
     def validate_logit_bias(self, value: dict | None) -> dict[int, float]:
         biases = {}

@@ -1,29 +1,41 @@
-"""A metered request's way in, the same for every /v1 endpoint that runs a model.
+"""A metered request's way in, the same for every /v1 endpoint that runs a model or its tokenizer.
 
-`request_model` finds the model (one this key may use, of the endpoint's kind);
-`request_precheck` refuses what the key's limits would refuse at any size, before any work is
-spent on the request; `request_admit` reserves its tokens and hands back its `Settlement` (the
-way out: usage row, release). A refusal is recorded (a finished usage row with no tokens, a
-metric) and answered: 429 with the x-ratelimit-* headers, 503 when the limits cannot be checked.
+`request_intake` lets a request in as soon as its key is known, before anything is read: it
+spends a request of the key's rpm window and holds one of its parallel slots (`limits.enter`),
+so every authenticated request counts, a 400 included, and a key's requests cannot prepare more
+at once than it may run. Everything the request costs before admission grows with its input and
+runs on the preparation gate, fair between teams and never on the event loop
+(`Intake.in_thread`, `Intake.prepare`: inference/services/prework.py). `Intake.model_entry`
+finds the model (one this key may use, of the endpoint's kind); `Intake.reserve` reserves the
+request's tokens and hands back its `Settlement` (the way out: usage row, release). A request
+that ends before that (a 400, a refusal, a client that left) gives its slot back once the
+preparation work it started has really ended.
+
+A refusal is counted (a metric, and the day's roll-up without a row of its own:
+inference/services/refusals.py) and answered: 429 with the x-ratelimit-* headers, 503 when the
+limits cannot be checked.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 
 from accounts import limits
 from accounts.models import ApiKey
+from common.request_threads import detach
 from engine import ModelLoadError
 from inference.errors import APIError, model_not_found
 from inference.models import ModelEntry
-from inference.services import metrics
+from inference.services import metrics, prework
+from inference.services.refusals import refusals
 from inference.services.registry import model_for_key
 from inference.services.settlement import Settlement
-from inference.services.usage import usage_reject
 
 logger = logging.getLogger(__name__)
 
@@ -41,85 +53,129 @@ ERROR_LOAD_FAILED = (
 T = TypeVar("T")
 
 
-async def request_model(*, api_key: ApiKey, name: str, kind: str) -> ModelEntry:
-    """The registry entry `name` stands for, if this key may use it (404 otherwise) and it is
-    of the endpoint's `kind` (400 otherwise)."""
-    entry = await sync_to_async(model_for_key)(api_key, name)
-    if entry is None:
-        raise model_not_found(name)
-    if entry.kind != kind:
-        raise APIError(400, ERROR_WRONG_KIND[kind].format(name=entry.name), param="model")
-    return entry
+class Intake:
+    """A request let in by its key's limits, being prepared (see the module docstring)."""
+
+    def __init__(
+        self, *, api_key: ApiKey, request_id: str, endpoint: str, admission: limits.Admission
+    ) -> None:
+        self.api_key = api_key
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.admission = admission
+        self.model = ""  # once known, for refusals
+        self._work: set[asyncio.Future] = set()
+        self._settled_by: Settlement | None = None
+
+    async def model_entry(self, *, name: str, kind: str) -> ModelEntry:
+        """The registry entry `name` stands for, if this key may use it (404 otherwise) and it
+        is of the endpoint's `kind` (400 otherwise)."""
+        entry = await sync_to_async(model_for_key)(self.api_key, name)
+        if entry is None:
+            raise model_not_found(name)
+        if entry.kind != kind:
+            raise APIError(400, ERROR_WRONG_KIND[kind].format(name=entry.name), param="model")
+        self.model = entry.name
+        return entry
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` (work that grows with the input) on a preparation thread."""
+        gate = prework.gate()
+        return await self._queued(
+            gate.in_thread(self.api_key.team_id, fn, *args, started=self._started)
+        )
+
+    async def prepare(self, work: Callable[[], Awaitable[T]]) -> T:
+        """Await `work()` (a render, tokenizing: work done elsewhere under a deadline) as one
+        of the request's preparation jobs."""
+        gate = prework.gate()
+        return await self._queued(gate.run(self.api_key.team_id, work, started=self._started))
+
+    async def _queued(self, job: Awaitable[T]) -> T:
+        try:
+            return await job
+        except prework.QueueFull as exc:
+            _counted_refusal(self.api_key, self.model, self.endpoint, "queue_full")
+            raise APIError(
+                429, exc.message, code=limits.CODE_RATE_LIMIT, headers={"retry-after": "1"}
+            ) from None
+
+    def _started(self, work: asyncio.Future) -> None:
+        self._work.add(work)
+        work.add_done_callback(self._work.discard)
+
+    async def reserve(
+        self, *, model: str, reserved_tokens: int, min_tokens: int | None = None
+    ) -> Settlement:
+        """Reserve the request's tokens (with `min_tokens`, admission may grant fewer, never
+        fewer than that: `Settlement.granted_tokens`). The caller must `settle()` what this
+        returns; its release is the settlement's from then on."""
+        await _limited(
+            self.admission.reserve(reserved_tokens=reserved_tokens, min_tokens=min_tokens),
+            api_key=self.api_key,
+            model=model,
+            endpoint=self.endpoint,
+        )
+        self._settled_by = Settlement(
+            self.api_key, self.request_id, model, self.endpoint, self.admission
+        )
+        return self._settled_by
+
+    async def close(self) -> None:
+        """Give the slot back unless a settlement took it over: at once when no preparation
+        work runs, else once it has ended (in the background)."""
+        if self._settled_by is not None:
+            return
+        pending = list(self._work)
+        releasing = detach(_release_after(self.admission, pending, self.request_id))
+        if not pending:
+            await asyncio.shield(releasing)
+
+
+async def _release_after(
+    admission: limits.Admission, work: list[asyncio.Future], request_id: str
+) -> None:
+    if work:
+        await asyncio.wait(work)
+    try:
+        await admission.release(used_tokens=0)
+    except Exception:
+        logger.exception("limiter release of %s failed", request_id)
+
+
+@contextlib.asynccontextmanager
+async def request_intake(
+    *, api_key: ApiKey, request_id: str, endpoint: str
+) -> AsyncIterator[Intake]:
+    """Let the request in (429 and nothing held if the key's limits refuse it); its slot is
+    given back when the block ends unless `Intake.reserve` handed it to a settlement."""
+    admission = await _limited(limits.enter(api_key), api_key=api_key, model="", endpoint=endpoint)
+    intake = Intake(api_key=api_key, request_id=request_id, endpoint=endpoint, admission=admission)
+    try:
+        yield intake
+    finally:
+        await intake.close()
 
 
 def model_load_failed(entry: ModelEntry) -> APIError:
     return APIError(503, ERROR_LOAD_FAILED.format(name=entry.name), code=ModelLoadError.code)
 
 
-async def request_precheck(*, api_key: ApiKey, request_id: str, model: str, endpoint: str) -> None:
-    """Refuse (reserving nothing) a request no token count could admit: a refused request
-    costs no template render, tokenizing or model load."""
-    await _limited(
-        limits.precheck(api_key),
-        request_id=request_id,
-        api_key=api_key,
-        model=model,
-        endpoint=endpoint,
-    )
-
-
-async def request_admit(
-    *,
-    api_key: ApiKey,
-    request_id: str,
-    model: str,
-    endpoint: str,
-    reserved_tokens: int,
-    min_tokens: int | None = None,
-) -> Settlement:
-    """Reserve the request's tokens (with `min_tokens`, admission may grant fewer, never fewer
-    than that: `Settlement.granted_tokens`). The caller must `settle()` what this returns."""
-    admission = await _limited(
-        limits.admit(api_key, reserved_tokens=reserved_tokens, min_tokens=min_tokens),
-        request_id=request_id,
-        api_key=api_key,
-        model=model,
-        endpoint=endpoint,
-    )
-    return Settlement(api_key, request_id, model, endpoint, admission)
-
-
-async def _limited(
-    check: Awaitable[T], *, request_id: str, api_key: ApiKey, model: str, endpoint: str
-) -> T:
+async def _limited(check: Awaitable[T], *, api_key: ApiKey, model: str, endpoint: str) -> T:
     try:
         return await check
     except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
-        raise await _refused(
-            exc, request_id=request_id, api_key=api_key, model=model, endpoint=endpoint
+        _counted_refusal(api_key, model, endpoint, exc.code)
+        if isinstance(exc, limits.LimiterUnavailable):
+            logger.error("limits unavailable: %s", exc)
+            raise APIError(503, limits.ERROR_UNAVAILABLE, code=exc.code) from None
+        # OpenAI types an exhausted budget as its own error type, not a rate limit.
+        error_type = "insufficient_quota" if exc.code == "insufficient_quota" else None
+        raise APIError(
+            429, exc.message, code=exc.code, type=error_type, headers=exc.headers
         ) from None
 
 
-async def _refused(
-    exc: limits.RateLimitExceeded | limits.LimiterUnavailable,
-    *,
-    request_id: str,
-    api_key: ApiKey,
-    model: str,
-    endpoint: str,
-) -> APIError:
-    """Record a refused request (a finished usage row with no tokens) and build its error."""
-    metrics.request_rejected(endpoint=endpoint, model=model, reason=exc.code)
-    await sync_to_async(usage_reject)(
-        request_id=request_id,
-        api_key=api_key,
-        model=model,
-        endpoint=endpoint,
-        error_code=exc.code,
-    )
-    if isinstance(exc, limits.LimiterUnavailable):
-        logger.error("limits unavailable: %s", exc)
-        return APIError(503, limits.ERROR_UNAVAILABLE, code=exc.code)
-    # OpenAI types an exhausted budget as its own error type, not a rate limit.
-    error_type = "insufficient_quota" if exc.code == "insufficient_quota" else None
-    return APIError(429, exc.message, code=exc.code, type=error_type, headers=exc.headers)
+def _counted_refusal(api_key: ApiKey, model: str, endpoint: str, reason: str) -> None:
+    metrics.request_rejected(endpoint=endpoint, model=model, reason=reason)
+    refusals.count(api_key, model)

@@ -1,12 +1,15 @@
 """/v1/embeddings: inputs to vectors for a key, with its limits and a usage row.
 
 In order, through the same way in and out as a generation (inference/services/admission.py,
-settlement.py): the model (one this key may use, and an embedding model), the limits that need
-no token count, tokenizing (or checking given token ids against the vocabulary), each input
-inside the model's context, admission for the tokens, the usage row, then one batched request
-to the model's embedding engine (concurrent requests share its forwards). The row is settled
-once, whatever ends the request (also a client that leaves), and its write retried if the
-database refuses it.
+settlement.py), on a request its intake let in (the key's rpm and a parallel slot): the model
+(one this key may use, and an embedding model), tokenizing in a tokenizer process under the
+render deadline (or checking given token ids against the vocabulary), each input inside the
+model's context (both preparation jobs of the fair gate, off the event loop), admission for
+the tokens, the usage row, then one batched request to the model's embedding engine
+(concurrent requests share its forwards). The row is settled
+once, whatever ends the request (a client that leaves stops its engine job between forwards
+and is billed the tokens computed until then), and its write retried if the database refuses
+it.
 """
 
 from __future__ import annotations
@@ -18,23 +21,20 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+from django.conf import settings
 
-from accounts.models import ApiKey
 from engine import (
     EmbeddingInfo,
+    EmbeddingProgress,
     EngineClient,
+    InvalidRequestError,
     ModelLoadError,
     ModelNotLoadedError,
     ModelUnavailableError,
 )
 from inference.errors import APIError
 from inference.models import ModelEntry, UsageRecord
-from inference.services.admission import (
-    model_load_failed,
-    request_admit,
-    request_model,
-    request_precheck,
-)
+from inference.services.admission import Intake, model_load_failed
 from inference.services.engines import get_engine_client
 from inference.services.registry import model_spec
 
@@ -55,18 +55,14 @@ class Embeddings:
 
 async def embeddings_create(
     *,
-    api_key: ApiKey,
-    request_id: str,
+    intake: Intake,
     model: str,
     inputs: list[str] | list[list[int]],
     dimensions: int | None = None,
 ) -> Embeddings:
-    entry = await request_model(api_key=api_key, name=model, kind=ModelEntry.Kind.EMBEDDING)
+    entry = await intake.model_entry(name=model, kind=ModelEntry.Kind.EMBEDDING)
     if len(inputs) > MAX_INPUTS:
         raise APIError(400, f"'input' takes at most {MAX_INPUTS} items.", param="input")
-    await request_precheck(
-        api_key=api_key, request_id=request_id, model=entry.name, endpoint=ENDPOINT
-    )
     client = get_engine_client()
     info = await _serving(client, entry)
     if dimensions is not None and dimensions != info.dimensions:
@@ -76,26 +72,24 @@ async def embeddings_create(
             f"not support shortening them; 'dimensions' must be {info.dimensions} or omitted.",
             param="dimensions",
         )
+    token_ids = inputs
     if isinstance(inputs[0], str):
-        token_ids = await _on_engine(client.tokenize(entry.name, inputs), entry.name)
-    else:
-        token_ids = inputs
-    _check(token_ids, info)
-    num_tokens = sum(len(ids) for ids in token_ids)
-    settlement = await request_admit(
-        api_key=api_key,
-        request_id=request_id,
-        model=entry.name,
-        endpoint=ENDPOINT,
-        reserved_tokens=num_tokens,
-    )
+        timeout_s = settings.ORCHARD_RENDER_TIMEOUT_SECONDS
+        token_ids = await intake.prepare(
+            lambda: _on_engine(client.tokenize(entry.name, inputs, timeout_s=timeout_s), entry.name)
+        )
+    num_tokens = await intake.in_thread(_check, token_ids, info)
+    settlement = await intake.reserve(model=entry.name, reserved_tokens=num_tokens)
     status, error_code = UsageRecord.Status.FAILED, "server_error"
+    progress = EmbeddingProgress()
     try:
         await settlement.open()
-        vectors = await _on_engine(client.embed(entry.name, token_ids), entry.name)
+        vectors = await _on_engine(client.embed(entry.name, token_ids, progress), entry.name)
         settlement.usage.prompt_tokens = num_tokens  # billed: the client gets its vectors
         status, error_code = UsageRecord.Status.COMPLETED, ""
     except asyncio.CancelledError:
+        # The engine stopped it between forwards: billed what it computed until then.
+        settlement.usage.prompt_tokens = progress.num_computed_tokens
         status, error_code = UsageRecord.Status.CANCELLED, "client_disconnected"
         raise
     except APIError:
@@ -111,6 +105,8 @@ async def _on_engine(work: Awaitable[T], model: str) -> T:
     stopped mid-call, say: a retry may find another), 500 when the model fails on it."""
     try:
         return await work
+    except InvalidRequestError as exc:  # inputs past the tokenizing deadline
+        raise APIError(400, str(exc), param="input") from None
     except (ModelNotLoadedError, ModelUnavailableError) as exc:
         logger.warning("embedding model %s: %s", model, exc)
         raise APIError(503, str(exc), code=exc.code) from None
@@ -130,7 +126,8 @@ async def _serving(client: EngineClient, entry: ModelEntry) -> EmbeddingInfo:
         raise model_load_failed(entry) from None
 
 
-def _check(token_ids: list[list[int]], info: EmbeddingInfo) -> None:
+def _check(token_ids: list[list[int]], info: EmbeddingInfo) -> int:
+    """The inputs' number of tokens, if the model can take each of them (else a 400)."""
     for index, ids in enumerate(token_ids):
         if not ids:
             raise APIError(400, f"input[{index}] is empty.", param="input")
@@ -150,3 +147,4 @@ def _check(token_ids: list[list[int]], info: EmbeddingInfo) -> None:
                 f"{info.vocab_size - 1}).",
                 param="input",
             )
+    return sum(len(ids) for ids in token_ids)

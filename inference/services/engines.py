@@ -30,7 +30,7 @@ def get_engine_client() -> EngineClient:
         elif settings.ORCHARD_ENGINE == "local":
             from engine import LocalEngineClient
 
-            _client = LocalEngineClient()
+            _client = LocalEngineClient(render_processes=settings.ORCHARD_PREPARE_WORKERS)
         else:
             raise ImproperlyConfigured(f"Unknown ORCHARD_ENGINE {settings.ORCHARD_ENGINE!r}.")
         # Stop with the web process: abort what is in flight and join the engine threads, so no

@@ -1,21 +1,23 @@
 """The one generation path under every generating /v1 endpoint.
 
-An endpoint reads its body into a `GenerationCall` (which model, which prompts, the sampling
-fields the caller set) and calls `generation_start`; everything between that and a running
-generation happens here, once, in this order:
+An endpoint lets its request in (`request_intake`, inference/services/admission.py: the key's
+rpm and a parallel slot, spent before its body is read, so a refused request costs nothing),
+reads its body into a `GenerationCall` (which model, which prompts, the sampling fields the
+caller set) off the event loop, and calls `generation_start`; everything between that and a
+running generation happens here, once, in this order:
 
-1. the model: one this key may use, a chat model (inference/services/admission.py), and the
-   engine serving it (never waiting for a reload; 503 if it cannot load);
-2. the limits that need no token count (rpm, parallel slots, an exhausted budget or tpm
-   window): a refused request costs no template render;
-3. rendering (chat template under a time limit, or the tokenizer);
-4. the sampling parameters: the caller's fields over the model's registry defaults, max_tokens
-   sized by `engine.completion_budget` (`Sizing`);
-5. validation by `engine.validate_generation` (token ids, ranges, context), the check the
+1. the model: one this key may use, a chat model, and the engine serving it (never waiting for
+   a reload; 503 if it cannot load);
+2. rendering (chat template, or the tokenizer), each prompt a job of the fair preparation gate
+   (inference/services/prework.py) in a tokenizer process its deadline stops;
+3. the sampling parameters: the caller's fields over the model's registry defaults, max_tokens
+   sized by `engine.completion_budget` (`Sizing`), and the prefix-cache scope (the key's team
+   and the call's `cache_salt`: inference/services/cache_scope.py);
+4. validation by `engine.validate_generation` (token ids, ranges, context), the check the
    engine repeats at submit;
-6. admission (reserving tokens; fewer when the caller left max_tokens to the server, and the
-   requests are sized again within the grant), then the usage row and the engine streams
-   (`Execution`), settled once whatever ends them.
+5. admission (reserving tokens on the intake; fewer when the caller left max_tokens to the
+   server, and the requests are sized again within the grant), then the usage row and the
+   engine streams (`Execution`), settled once whatever ends them.
 
 What comes back is a `Generation`: its `deltas()` run each choice through the output stage
 (inference/services/output.py), and the endpoint only formats them.
@@ -27,14 +29,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
 
-from accounts.models import ApiKey
 from engine import (
     GenerationRequest,
     InvalidRequestError,
@@ -51,12 +51,8 @@ from engine import (
 from inference.errors import APIError
 from inference.models import SAMPLING_DEFAULT_FIELDS, ModelEntry
 from inference.parsers.registry import OutputParsing, detect_reasoning_parser, detect_tool_parser
-from inference.services.admission import (
-    model_load_failed,
-    request_admit,
-    request_model,
-    request_precheck,
-)
+from inference.services.admission import Intake, model_load_failed
+from inference.services.cache_scope import prefix_cache_scope
 from inference.services.engines import get_engine_client
 from inference.services.execution import ERROR_RELOADING, Execution
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
@@ -66,9 +62,8 @@ from inference.services.structured import tool_call_grammar
 logger = logging.getLogger(__name__)
 
 
-# Completions one call may ask for (prompts × n), and prompts of one key rendering at once.
+# Completions one call may ask for (prompts × n).
 MAX_CHOICES_PER_CALL = 128
-RENDERS_PER_KEY = 2
 
 
 @dataclass(frozen=True)
@@ -100,6 +95,8 @@ class GenerationCall:
     # `tools` in the model's tool-call syntax. (Other structured output arrives as
     # sampling["grammar"], built by the endpoint from its own fields.)
     require_tool_call: bool = False
+    # Narrows the prefix-cache scope: only calls with the same salt (and team) share cache hits.
+    cache_salt: str | None = None
 
     def name(self, param: str | None) -> str | None:
         """The body field a validation error's parameter stands for."""
@@ -160,13 +157,12 @@ class Generation:
                 yield stages[item.choice].feed(item.output)
 
 
-async def generation_start(*, api_key: ApiKey, request_id: str, call: GenerationCall) -> Generation:
-    """Run `call` for `api_key` (steps in the module docstring). Raises APIError for anything
-    the caller can fix or should retry; nothing is reserved or left open when it does."""
-    entry = await request_model(api_key=api_key, name=call.model, kind=ModelEntry.Kind.CHAT)
-    await request_precheck(
-        api_key=api_key, request_id=request_id, model=entry.name, endpoint=call.endpoint
-    )
+async def generation_start(*, intake: Intake, call: GenerationCall) -> Generation:
+    """Run `call` for the request `intake` let in (steps in the module docstring). Raises
+    APIError for anything the caller can fix or should retry; nothing is reserved or left open
+    when it does (the intake gives its slot back)."""
+    api_key, request_id = intake.api_key, intake.request_id
+    entry = await intake.model_entry(name=call.model, kind=ModelEntry.Kind.CHAT)
     info = await _serving_model(entry)
     sampling, size_limit = _sampling(call, entry)
     if len(call.prompts) * sampling.n > MAX_CHOICES_PER_CALL:
@@ -176,16 +172,15 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
             f"this one asks for {len(call.prompts) * sampling.n}.",
             param=call.prompt_param,
         )
-    async with _render_slot(api_key):
-        prompts = [await _render(entry.name, p, call.prompt_param) for p in call.prompts]
+    prompts = [await _render(intake, entry.name, p, call.prompt_param) for p in call.prompts]
     parsing = output_parsing(call, entry, info, prompts[0].tail_text) if call.parse_output else None
     if parsing is not None and parsing.markers:
         sampling = dataclasses.replace(sampling, keep_special_tokens=parsing.markers)
     if call.require_tool_call:
-        sampling = dataclasses.replace(
-            sampling, grammar=_tool_grammar(call, sampling, parsing, info)
-        )
-    sized = Sizing(request_id, entry.name, prompts, sampling, size_limit, info)
+        grammar = await intake.in_thread(_tool_grammar, call, sampling, parsing, info)
+        sampling = dataclasses.replace(sampling, grammar=grammar)
+    scope = prefix_cache_scope(api_key=api_key, entry=entry, salt=call.cache_salt)
+    sized = Sizing(request_id, entry.name, prompts, sampling, size_limit, info, scope)
     requests = sized.requests()
     for request in requests:
         try:
@@ -201,11 +196,8 @@ async def generation_start(*, api_key: ApiKey, request_id: str, call: Generation
             for prompt, rendered in zip(call.prompts, prompts, strict=True)
         ]
     reserved = sized.reserved_tokens(requests)
-    settlement = await request_admit(
-        api_key=api_key,
-        request_id=request_id,
+    settlement = await intake.reserve(
         model=entry.name,
-        endpoint=call.endpoint,
         reserved_tokens=reserved,
         min_tokens=sized.least_tokens if sized.flexible else None,
     )
@@ -228,6 +220,7 @@ class Sizing:
     sampling: SamplingParams
     size_limit: int | None
     info: ModelInfo
+    cache_scope: str
 
     @property
     def flexible(self) -> bool:
@@ -273,6 +266,7 @@ class Sizing:
                         self.sampling, max_tokens=max_tokens, min_tokens=min_tokens
                     ),
                     rendered.checkpoints,
+                    self.cache_scope,
                 )
             )
         return requests
@@ -310,17 +304,12 @@ def _tool_grammar(
     return grammar
 
 
-async def prompt_token_count(*, api_key: ApiKey, request_id: str, call: GenerationCall) -> int:
-    """How many tokens `call`'s (one) prompt renders to for its model: nothing is generated,
-    reserved or metered."""
-    entry = await request_model(api_key=api_key, name=call.model, kind=ModelEntry.Kind.CHAT)
-    # Counting is free, but not for a key over its limits.
-    await request_precheck(
-        api_key=api_key, request_id=request_id, model=entry.name, endpoint=call.endpoint
-    )
+async def prompt_token_count(*, intake: Intake, call: GenerationCall) -> int:
+    """How many tokens `call`'s (one) prompt renders to for its model: nothing is generated or
+    reserved, but the request spent its key's limits like any other (`intake`)."""
+    entry = await intake.model_entry(name=call.model, kind=ModelEntry.Kind.CHAT)
     await _serving_model(entry)
-    async with _render_slot(api_key):
-        rendered = await _render(entry.name, call.prompts[0], call.prompt_param)
+    rendered = await _render(intake, entry.name, call.prompts[0], call.prompt_param)
     return len(rendered.token_ids)
 
 
@@ -361,10 +350,14 @@ async def _serving_model(entry: ModelEntry) -> ModelInfo:
         raise model_load_failed(entry) from None
 
 
-async def _render(model: str, prompt: PromptInput, param: str) -> RenderedPrompt:
+async def _render(intake: Intake, model: str, prompt: PromptInput, param: str) -> RenderedPrompt:
+    """The prompt rendered as one of the request's preparation jobs, stopped at the deadline."""
+    client = get_engine_client()
     try:
-        rendered = await get_engine_client().render_prompt(
-            model, prompt, timeout_s=settings.ORCHARD_RENDER_TIMEOUT_SECONDS
+        rendered = await intake.prepare(
+            lambda: client.render_prompt(
+                model, prompt, timeout_s=settings.ORCHARD_RENDER_TIMEOUT_SECONDS
+            )
         )
     except InvalidRequestError as exc:
         # The engine names the prompt by its kind; the endpoint knows its own field's name.
@@ -395,31 +388,3 @@ def _sampling(call: GenerationCall, entry: ModelEntry) -> tuple[SamplingParams, 
     if "max_tokens" not in values:
         size_limit = entry.default_sampling.get("max_tokens", call.default_max_tokens)
     return SamplingParams(**values), None if size_limit is None else int(size_limit)
-
-
-class _RenderSlots:
-    """At most RENDERS_PER_KEY prompts of one key render at once (per event loop): a key
-    cannot fill the render threads with slow renders while other keys wait."""
-
-    def __init__(self) -> None:
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    @contextlib.asynccontextmanager
-    async def __call__(self, api_key: ApiKey) -> AsyncIterator[None]:
-        slots = self._slots.setdefault(asyncio.get_running_loop(), {})
-        entry = slots.get(api_key.prefix)
-        if entry is None:
-            entry = slots[api_key.prefix] = [asyncio.Semaphore(RENDERS_PER_KEY), 0]
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del slots[api_key.prefix]  # memory follows the keys rendering now
-
-
-_render_slot = _RenderSlots()

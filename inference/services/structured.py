@@ -8,16 +8,27 @@ then enforced by the engine token by token (engine/text/grammar.py).
   of `json` (a schema), `regex`, `grammar` (Lark, llguidance's dialect) or `choice` (strings).
 - `tool_choice: "required"` or a named function: a grammar over the model's own tool-call
   syntax (`tool_call_grammar`), so the reply is a call its tool-call parser reads.
+
+Checking a grammar costs time that grows with its size (about 0.3 s a megabyte, the same again
+for the engine's compile), so a grammar larger than ORCHARD_GRAMMAR_MAX_BYTES is refused (a 400
+that names the limit) before it is checked, and llguidance's own limits (lexer fuel, grammar
+size) bound what a small grammar can cost. These functions are synchronous and run off the event
+loop, on the preparation threads (inference/services/prework.py). A grammar's verdict is cached
+by a digest of its text, so a schema sent again costs a hash.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import json
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import llguidance
+from django.conf import settings
 
 from inference.errors import APIError
 from inference.parsers.json_prefix import MAX_WHITESPACE_RUN
@@ -28,6 +39,12 @@ from inference.parsers.json_prefix import MAX_WHITESPACE_RUN
 JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE_RUN}}}"}
 CALL_WHITESPACE = r"[\x20\x0A]{0,4}"
 EXTENSION_KINDS = ("json", "regex", "grammar", "choice")
+ERROR_TOO_LARGE = (
+    "the grammar it makes is {size} bytes, over the limit of {limit} bytes for one request."
+)
+CHECKED_GRAMMARS = 4096  # verdicts kept (32-byte digests and short messages)
+_checked_grammars: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+_checked_lock = threading.Lock()
 
 
 def _refused(param: str, detail: str) -> APIError:
@@ -35,9 +52,25 @@ def _refused(param: str, detail: str) -> APIError:
 
 
 def _checked(grammar: str, param: str) -> str:
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    """`grammar` if llguidance takes it within the grammar budget, else a 400 naming `param`."""
+    text = grammar.encode()
+    limit = settings.ORCHARD_GRAMMAR_MAX_BYTES
+    if len(text) > limit:
+        raise _refused(param, ERROR_TOO_LARGE.format(size=len(text), limit=limit))
+    digest = hashlib.sha256(text).digest()
+    with _checked_lock:
+        error = _checked_grammars.get(digest)
+        if error is not None:
+            _checked_grammars.move_to_end(digest)
+    if error is None:
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        error = error.strip().splitlines()[0][:500] if error else ""
+        with _checked_lock:
+            _checked_grammars[digest] = error
+            while len(_checked_grammars) > CHECKED_GRAMMARS:
+                _checked_grammars.popitem(last=False)
     if error:
-        raise _refused(param, error.strip().splitlines()[0][:500])
+        raise _refused(param, error)
     return grammar
 
 

@@ -9,6 +9,7 @@ once.
 """
 
 import datetime
+from collections.abc import Mapping
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
@@ -16,7 +17,7 @@ from django.db.models import F, QuerySet, Sum
 from django.utils import timezone
 
 from accounts.limits import PARALLEL_LEASE_SECONDS
-from accounts.models import ApiKey
+from accounts.models import ApiKey, Team
 from accounts.selectors import month_start, teams_visible_to
 from accounts.services import api_key_monthly_usage_add
 from inference.models import DailyUsage, UsageRecord
@@ -64,19 +65,27 @@ def usage_open(
     )
 
 
-def usage_reject(
-    *, request_id: str, api_key: ApiKey, model: str, endpoint: str, error_code: str
-) -> UsageRecord:
-    """A finished row for a request a limit refused at admission (no tokens)."""
-    return usage_record_finished(
-        request_id=request_id,
-        api_key=api_key,
-        model=model,
-        endpoint=endpoint,
-        status=UsageRecord.Status.REJECTED,
-        error_code=error_code,
-        started_at=timezone.now(),
-    )
+# A day's refusals of one key for one model: (date, team id, key id, model).
+RefusalBucket = tuple[datetime.date, int, int, str]
+
+
+@transaction.atomic
+def usage_refusals_add(*, counts: Mapping[RefusalBucket, int]) -> None:
+    """Requests a limit refused, added to the day's roll-ups (`num_requests` and
+    `num_rejected`, what the reports show) without a row each: a flood of refusals costs one
+    write per key and model per flush (inference/services/refusals.py), not one per request.
+    A key deleted meanwhile has no roll-up to count in: its refusals are dropped."""
+    keys = {api_key_id for _, _, api_key_id, _ in counts}
+    existing = set(ApiKey.objects.filter(pk__in=keys).values_list("pk", flat=True))
+    for (day, team_id, api_key_id, model), count in sorted(counts.items()):
+        if api_key_id not in existing:
+            continue
+        daily, _ = DailyUsage.objects.select_for_update().get_or_create(
+            date=day, team_id=team_id, api_key_id=api_key_id, model=model
+        )
+        DailyUsage.objects.filter(pk=daily.pk).update(
+            num_requests=F("num_requests") + count, num_rejected=F("num_rejected") + count
+        )
 
 
 @transaction.atomic
@@ -91,8 +100,7 @@ def usage_record_finished(
     prompt_tokens: int = 0,
     error_code: str = "",
 ) -> UsageRecord:
-    """A row written once, finished, for a request that does not stream (a refusal, an
-    embeddings call), rolled up at once."""
+    """A row written once, finished, for a request that does not stream, rolled up at once."""
     now = timezone.now()
     record = _record(
         request_id=request_id,
@@ -226,15 +234,30 @@ _TOTALS = {
 
 
 def usage_totals(
-    *, daily: QuerySet[DailyUsage], since: datetime.date, until: datetime.date
-) -> dict[str, list[dict]]:
+    *,
+    daily: QuerySet[DailyUsage],
+    since: datetime.date,
+    until: datetime.date,
+    teams: QuerySet[Team] | None,
+    api_keys: QuerySet[ApiKey] | None,
+) -> dict[str, list[dict] | None]:
     """Per-team and per-key totals over [since, until] from the daily roll-ups (never from the
-    rows, which may number millions)."""
+    rows, which may number millions), for the `teams` and the `api_keys` a reader may see; None
+    leaves that table out (None in the result)."""
     period = daily.filter(date__gte=since, date__lte=until)
-    by_team = period.values("team_id", "team__name").annotate(**_TOTALS).order_by("team__name")
-    by_key = (
-        period.values("api_key_id", "api_key__prefix", "api_key__name", "team__name")
-        .annotate(**_TOTALS)
-        .order_by("team__name", "api_key__prefix")
-    )
-    return {"teams": list(by_team), "keys": list(by_key)}
+    by_team = by_key = None
+    if teams is not None:
+        by_team = list(
+            period.filter(team__in=teams)
+            .values("team_id", "team__name")
+            .annotate(**_TOTALS)
+            .order_by("team__name")
+        )
+    if api_keys is not None:
+        by_key = list(
+            period.filter(api_key__in=api_keys)
+            .values("api_key_id", "api_key__prefix", "api_key__name", "team__name")
+            .annotate(**_TOTALS)
+            .order_by("team__name", "api_key__prefix")
+        )
+    return {"teams": by_team, "keys": by_key}

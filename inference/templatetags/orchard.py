@@ -1,5 +1,6 @@
 """Template tags for the admin index: today's usage totals (from the daily roll-ups the user
-may see) and the engine workers (from their heartbeats)."""
+may see, for those who may view the usage list) and the engine workers (from their
+heartbeats)."""
 
 import logging
 import time
@@ -9,6 +10,8 @@ from django import template
 from django.conf import settings
 from django.utils import timezone
 
+from inference.admin.lists import admin_list_rows
+from inference.models import UsageRecord
 from inference.services import reports
 from inference.services.usage import daily_usage_visible_to
 
@@ -17,8 +20,10 @@ register = template.Library()
 
 
 @register.simple_tag(takes_context=True)
-def orchard_today_totals(context) -> dict[str, int]:
+def orchard_today_totals(context) -> dict[str, int] | None:
     request = context["request"]
+    if admin_list_rows(request, UsageRecord) is None:
+        return None
     today = timezone.now().date()
     rows = daily_usage_visible_to(user=request.user).filter(date=today)
     return reports.totals(rows)

@@ -1,4 +1,5 @@
-"""The members' pages: landing, sign-in, my keys, my usage, models, team reports (with CSV).
+"""The members' pages: landing, sign-in, my keys, my usage, models, team reports (with CSV);
+and the sign-in throttle around every password form, the admin's included.
 
 Server-rendered, no external requests, no inline scripts (the CSP forbids them); every form
 has CSRF. A member sees their own keys and usage; team owners and staff see their teams'
@@ -9,20 +10,23 @@ from __future__ import annotations
 
 import csv
 import datetime
+import functools
 import re
 import uuid
+from collections.abc import Callable
 
 from django import forms
 from django.conf import settings
-from django.contrib import messages
+from django.contrib import admin, messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
-from django.core.cache import cache
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
+from django.views.decorators.csrf import csrf_protect
 from django.views.decorators.http import require_http_methods
 
+from accounts import signin
 from accounts.models import ApiKey, Team
 from accounts.selectors import teams_for_new_keys, teams_owned_by
 from accounts.services import MemberKeyRefused, member_key_create, member_key_revoke
@@ -32,8 +36,6 @@ from inference.services import reports
 from inference.services.engines import get_engine_client
 from inference.services.registry import models_for_key
 
-LOGIN_ATTEMPTS = 5  # failed sign-ins per username and address ...
-LOGIN_WINDOW_S = 15 * 60  # ... within this many seconds, then refused until it passes
 REPORT_GROUPS = ["day", "model", "key", "member"]
 EARLIEST, LATEST = datetime.date(2000, 1, 1), datetime.date(9000, 1, 1)  # what a range may span
 
@@ -46,30 +48,34 @@ def _base_url(request: HttpRequest) -> str:
     return request.build_absolute_uri("/v1").rstrip("/")
 
 
-class RateLimitedLoginView(auth_views.LoginView):
-    """Django's sign-in, refusing further attempts for a username and address after
-    LOGIN_ATTEMPTS failures within LOGIN_WINDOW_S (a 429 page)."""
+def signin_throttled(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """A password form's view, throttled (accounts/signin.py): each POST is counted before the
+    view checks its password, refused with a 429 page past the limits (a 503 page when the
+    counters cannot be reached), and taken back if it signed someone in. The CSRF check comes
+    first, so another site cannot make its visitors' browsers spend an account's attempts."""
 
-    template_name = "web/login.html"
-
-    def _key(self) -> str:
-        username = (self.request.POST.get("username") or "").strip().lower()[:150]
-        address = self.request.META.get("REMOTE_ADDR", "")
-        return f"orchard-login:{address}:{username}"
-
-    def post(self, request, *args, **kwargs):
-        if cache.get(self._key(), 0) >= LOGIN_ATTEMPTS:
-            return render(request, "web/login_locked.html", status=429)
-        return super().post(request, *args, **kwargs)
-
-    def form_invalid(self, form):
-        key = self._key()
-        cache.add(key, 0, LOGIN_WINDOW_S)
+    @csrf_protect
+    @functools.wraps(view)
+    def throttled(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        if request.method != "POST":
+            return view(request, *args, **kwargs)
         try:
-            cache.incr(key)
-        except ValueError:
-            cache.set(key, 1, LOGIN_WINDOW_S)
-        return super().form_invalid(form)
+            attempt = signin.attempt_begin(
+                username=request.POST.get("username") or "",
+                remote_addr=request.META.get("REMOTE_ADDR") or "",
+                forwarded_for=request.META.get("HTTP_X_FORWARDED_FOR"),
+            )
+        except signin.SigninUnavailable:
+            return render(request, "web/login_locked.html", {"unavailable": True}, status=503)
+        if not attempt.allowed:
+            return render(request, "web/login_locked.html", status=429)
+        before = request.user
+        response = view(request, *args, **kwargs)
+        if request.user is not before and request.user.is_authenticated:  # login() ran
+            signin.attempt_succeeded(attempt)
+        return response
+
+    return throttled
 
 
 class KeyForm(forms.Form):
@@ -266,7 +272,15 @@ def _csv(team: Team, since, until, result: reports.Report) -> HttpResponse:
 
 
 def login_view():
-    return RateLimitedLoginView.as_view(redirect_authenticated_user=True)
+    view = auth_views.LoginView.as_view(
+        template_name="web/login.html", redirect_authenticated_user=True
+    )
+    return signin_throttled(view)
+
+
+def admin_login_view():
+    """The admin's own sign-in form, under the same throttle (routed before the admin's URLs)."""
+    return signin_throttled(admin.site.login)
 
 
 def logout_view():

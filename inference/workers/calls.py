@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from engine import (
+    EmbeddingProgress,
     ModelInfo,
     ModelSpec,
     ModelUnavailableError,
@@ -36,6 +37,8 @@ CALL_TIMEOUT_S = 30.0
 # An embedding call runs the model: a full batch on a busy worker takes a while. A dead worker
 # ends it sooner (its beats stop); this bounds a reply the channel layer lost.
 EMBED_TIMEOUT_S = 120.0
+# A cancelled embedding ends at the end of its worker's forward under way: a second or so.
+EMBED_STOP_WAIT_S = 10.0
 
 
 class WorkerCalls:
@@ -121,15 +124,49 @@ class WorkerCalls:
         return self._tokenizers[key]
 
     # Embeddings
-    async def tokenize(self, model: str, texts: list[str]) -> list[list[int]]:
+    async def tokenize(
+        self, model: str, texts: list[str], timeout_s: float | None
+    ) -> list[list[int]]:
         worker = self._embedder(model)
-        return await self.call(worker, "tokenize", {"model": model, "texts": texts})
+        args = {"model": model, "texts": texts, "timeout_s": timeout_s}
+        return await self.call(worker, "tokenize", args, (timeout_s or CALL_TIMEOUT_S) + 2)
 
-    async def embed(self, model: str, token_ids: list[list[int]]) -> np.ndarray:
+    async def embed(
+        self, model: str, token_ids: list[list[int]], progress: EmbeddingProgress | None
+    ) -> np.ndarray:
         worker = self._embedder(model)
-        args = {"model": model, "token_ids": token_ids}
-        value = await self.call(worker, "embed", args, EMBED_TIMEOUT_S)
+        request_id = secrets.token_hex(8)  # what an abort names
+        args = {"model": model, "token_ids": token_ids, "request_id": request_id}
+        reply = asyncio.ensure_future(self.call(worker, "embed", args, EMBED_TIMEOUT_S))
+        try:
+            value = await asyncio.shield(reply)
+        except asyncio.CancelledError:
+            value = await self._stop_embedding(worker, model, request_id, reply)
+            if progress is not None:
+                progress.num_computed_tokens = value.get("num_computed_tokens", 0)
+            raise
+        if progress is not None:
+            progress.num_computed_tokens = value["num_computed_tokens"]
         return np.frombuffer(value["vectors"], dtype="<f4").reshape(value["shape"])
+
+    async def _stop_embedding(
+        self, worker: Worker, model: str, request_id: str, reply: asyncio.Future
+    ) -> dict:
+        """Its caller gave up: the worker stops the embedding between forwards and answers with
+        the tokens it computed (its reply; {} when none came within EMBED_STOP_WAIT_S)."""
+        if not reply.done():
+            abort = {"type": "abort", "model": model, "request_id": request_id}
+            try:
+                await self.send(worker_channel(self.namespace, worker.beat.worker_id), abort)
+            except Exception:
+                logger.warning("could not stop embedding %s on its worker", request_id)
+            await asyncio.wait([reply], timeout=EMBED_STOP_WAIT_S)
+        if not reply.done():
+            reply.cancel()
+            return {}
+        if reply.cancelled() or reply.exception() is not None:
+            return {}  # a dead worker, say: what it computed is unknown
+        return reply.result()
 
     def _embedder(self, model: str) -> Worker:
         """The least loaded worker serving the embedding model (no prefix to follow)."""

@@ -24,6 +24,7 @@ from asgiref.sync import async_to_sync
 
 from engine import (
     EmbeddingInfo,
+    EmbeddingProgress,
     EngineClient,
     EngineStats,
     GenerationOutput,
@@ -236,25 +237,35 @@ class RemoteEngineClient(EngineClient):
         self.fleet.wanted[spec.name] = spec
         return await self.fleet.wait_for(spec, exact=False)
 
-    async def tokenize(self, model: str, texts: list[str]) -> list[list[int]]:
+    async def tokenize(
+        self, model: str, texts: list[str], *, timeout_s: float | None = None
+    ) -> list[list[int]]:
         await self._started()
-        return await self.calls.tokenize(model, texts)
+        return await self.calls.tokenize(model, texts, timeout_s)
 
-    async def embed(self, model: str, token_ids: list[list[int]]) -> np.ndarray:
+    async def embed(
+        self,
+        model: str,
+        token_ids: list[list[int]],
+        progress: EmbeddingProgress | None = None,
+    ) -> np.ndarray:
         await self._started()
-        return await self.calls.embed(model, token_ids)
+        return await self.calls.embed(model, token_ids, progress)
 
     # Generating
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         return self._generate(request)
 
-    def _route(self, model: str, exclude: set[str], prompt: tuple[int, ...] = ()) -> Worker | None:
+    def _route(
+        self, model: str, exclude: set[str], prompt: tuple[int, ...] = (), scope: str = ""
+    ) -> Worker | None:
         return self.fleet.route(
             model,
             exclude,
             prompt,
             reply=self.replies.channel,
             in_flight=self.replies.in_flight,
+            scope=scope,
         )
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
@@ -262,7 +273,9 @@ class RemoteEngineClient(EngineClient):
         flights = self.replies.flights
         tried: set[str] = set()
         while True:
-            worker = self._route(request.model, tried, request.prompt_token_ids)
+            worker = self._route(
+                request.model, tried, request.prompt_token_ids, request.cache_scope
+            )
             if worker is None:
                 raise ModelUnavailableError(
                     f"No engine worker serves the model '{request.model}' now; please retry "
@@ -301,7 +314,9 @@ class RemoteEngineClient(EngineClient):
                     tried.add(worker_id)
                     continue
                 raise decode_error(first.error)
-            self.fleet.affinity.remember(request.model, request.prompt_token_ids, worker_id)
+            self.fleet.affinity.remember(
+                request.model, request.prompt_token_ids, worker_id, request.cache_scope
+            )
             break
         num_open = request.sampling.n
         try:

@@ -137,9 +137,11 @@ class Fleet:
         *,
         reply: str | None,
         in_flight: Callable[[str, str], int],
+        scope: str = "",
     ) -> Worker | None:
         """The worker for new work on `model` (None: no worker serves it); `in_flight` counts
-        what this process (reply channel `reply`) has on a worker for a model now."""
+        what this process (reply channel `reply`) has on a worker for a model now; `prompt` and
+        its cache `scope` find the worker whose prefix cache may hold it."""
         candidates = [w for w in self.serving(model) if w.beat.worker_id not in exclude]
         wanted = self.wanted.get(model)
         if wanted is not None:
@@ -159,7 +161,7 @@ class Fleet:
         # cache holds it), unless that worker is busier than the least loaded by more than
         # AFFINITY_SLACK requests.
         by_id = {w.beat.worker_id: w for w in candidates}
-        worker_id = self.affinity.lookup(model, prompt)
+        worker_id = self.affinity.lookup(model, prompt, scope)
         if (
             worker_id in by_id
             and loads[worker_id][0] <= loads[best.beat.worker_id][0] + AFFINITY_SLACK

@@ -47,30 +47,33 @@ class EventOrder:
 
 
 class PrefixAffinity:
-    """Which worker last ran a prompt with each prefix (per model), least recent forgotten
-    first: a continued conversation goes back to the worker whose prefix cache holds it."""
+    """Which worker last ran a prompt with each prefix (per model and cache scope), least recent
+    forgotten first: a continued conversation goes back to the worker whose prefix cache holds
+    it. A prompt of another scope could not reuse that cache, so it is not drawn there."""
 
     def __init__(self, entries: int = AFFINITY_ENTRIES):
         self.entries = entries
-        self._workers: dict[tuple[str, int], str] = {}
+        self._workers: dict[tuple[str, str, int], str] = {}
 
-    def lookup(self, model: str, prompt: tuple[int, ...]) -> str | None:
-        """The worker of the longest remembered prefix of `prompt`."""
-        for key in _prefix_keys(model, prompt):
+    def lookup(self, model: str, prompt: tuple[int, ...], scope: str = "") -> str | None:
+        """The worker of the longest remembered prefix of `prompt` in `scope`."""
+        for key in _prefix_keys(model, prompt, scope):
             if key in self._workers:
                 return self._workers[key]
         return None
 
-    def remember(self, model: str, prompt: tuple[int, ...], worker_id: str) -> None:
-        for key in _prefix_keys(model, prompt):
+    def remember(
+        self, model: str, prompt: tuple[int, ...], worker_id: str, scope: str = ""
+    ) -> None:
+        for key in _prefix_keys(model, prompt, scope):
             self._workers.pop(key, None)
             self._workers[key] = worker_id
         while len(self._workers) > self.entries:
             self._workers.pop(next(iter(self._workers)))
 
 
-def _prefix_keys(model: str, prompt: tuple[int, ...]) -> list[tuple[str, int]]:
+def _prefix_keys(model: str, prompt: tuple[int, ...], scope: str) -> list[tuple[str, str, int]]:
     """Keys of the prompt's prefixes at AFFINITY_LENGTHS (whole prefixes only), longest first;
     the last token is left out, as a continuation's prompt has it where the reply began."""
     body = prompt[:-1]
-    return [(model, hash(body[:k])) for k in AFFINITY_LENGTHS if len(body) >= k]
+    return [(model, scope, hash(body[:k])) for k in AFFINITY_LENGTHS if len(body) >= k]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import (
+    EmbeddingJob,
     EngineError,
     EngineOverloadedError,
     EngineWorker,
@@ -109,6 +110,7 @@ class EngineServer:
         }
         self._flights: dict[str, _Flight] = {}
         self._calls: dict[str, tuple[str, str]] = {}  # call id -> (model, reply) while it runs
+        self._embeddings: dict[str, EmbeddingJob] = {}  # embed calls' request ids, while they run
         self._early_aborts: dict[str, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._beat_now = asyncio.Event()
@@ -271,6 +273,9 @@ class EngineServer:
         if request_id in self._flights:
             self.worker.abort(model, request_id)
             return
+        if request_id in self._embeddings:
+            self._embeddings[request_id].future.cancel()
+            return
         now = time.monotonic()
         self._early_aborts = {
             rid: at for rid, at in self._early_aborts.items() if now - at < EARLY_ABORT_TTL_S
@@ -320,13 +325,33 @@ class EngineServer:
         return await asyncio.wrap_future(engine.clear_prefix_cache())
 
     async def _tokenize(self, args: dict) -> list[list[int]]:
-        engine = self.worker.embedder(args["model"])
-        return await asyncio.to_thread(engine.tokenize, args["texts"])
+        tokenizer = self.worker.embedder(args["model"]).tokenizer()
+        return await self.renderer.encode(
+            tokenizer, args["texts"], timeout_s=args.get("timeout_s")
+        )
 
     async def _embed(self, args: dict) -> dict:
-        vectors = await asyncio.wrap_future(self.worker.embed(args["model"], args["token_ids"]))
+        """The vectors and the tokens computed; an `abort` naming the call's `request_id`
+        stops it between forwards, and it answers with the tokens computed alone."""
+        request_id = args.get("request_id")
+        if self._early_aborts.pop(request_id, None) is not None:
+            return {"num_computed_tokens": 0}  # the client left before it started
+        job = self.worker.embed(args["model"], args["token_ids"])
+        if request_id is not None:
+            self._embeddings[request_id] = job
+        try:
+            num_computed_tokens = await asyncio.wrap_future(job.ended)
+        finally:
+            self._embeddings.pop(request_id, None)
+        if job.future.cancelled():
+            return {"num_computed_tokens": num_computed_tokens}
+        vectors = job.future.result()  # or the engine's error
         # float32 bytes: a quarter of the size of the numbers in msgpack, and exact.
-        return {"shape": list(vectors.shape), "vectors": vectors.astype("<f4").tobytes()}
+        return {
+            "shape": list(vectors.shape),
+            "vectors": vectors.astype("<f4").tobytes(),
+            "num_computed_tokens": num_computed_tokens,
+        }
 
     # Requests' bookkeeping
     def _note(self, request_id: str, output: GenerationOutput) -> None:

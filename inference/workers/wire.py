@@ -1,12 +1,14 @@
 """What crosses the channel layer between web processes and engine workers.
 
 Web → worker, on the worker's channel: `generate` (a GenerationRequest and the reply channel),
-`abort` (model and request id), `call` (an operation with a reply: render, detokenize,
-clear_cache, tokenize, embed; server.py has them), and, on the registry group every worker
-joins, `registry.changed`, `load` and `unload`. Worker → web, on the web process's reply
-channel: `events`, numbered per worker (`seq`) so the receiver can restore their order, each a
-list of `[kind, id, payload]`: `out` (a GenerationOutput), `rej` (a request refused before it
-ran), `res` (a call's result; an embedding's vectors as float32 bytes).
+`abort` (model and request id: a generation's, or the `request_id` of an embed call),
+`call` (an operation with a reply: render, detokenize, clear_cache, tokenize, embed; server.py
+has them), and, on the registry group every worker joins, `registry.changed`, `load` and
+`unload`. Worker → web, on the web process's reply channel: `events`, numbered per worker
+(`seq`) so the receiver can restore their order, each a list of `[kind, id, payload]`: `out` (a
+GenerationOutput), `rej` (a request refused before it ran), `res` (a call's result; an
+embedding's vectors as float32 bytes with the tokens computed, or those tokens alone when an
+abort stopped it).
 """
 
 from __future__ import annotations

@@ -338,3 +338,13 @@ def test_add_form_carries_a_fresh_submission_token(client, django_user_model):
     pages = [client.get("/admin/accounts/apikey/add/").content.decode() for _ in range(2)]
     tokens = [page.split('name="submission_token" value="')[1][:32] for page in pages]
     assert tokens[0] != tokens[1]
+
+
+def test_only_superusers_set_a_teams_storage_quota(client):
+    owner, team = _team_owner_staff(["view_team", "change_team"])
+    change = reverse("admin:accounts_team_change", args=[team.pk])
+    client.force_login(owner)
+    form = client.get(change).context["adminform"].form
+    assert "members_manage_keys" in form.fields and "response_storage_bytes" not in form.fields
+    client.force_login(StaffUserFactory())
+    assert "response_storage_bytes" in client.get(change).context["adminform"].form.fields

@@ -1,5 +1,7 @@
 """Bearer authentication: the format is checked before any query, comparison is by digest, and
-revocation or expiry applies on the very next request because nothing is cached."""
+revocation, expiry, a member leaving the key's team or a deactivated user applies on the very
+next request because nothing is cached (also where the rows changed without the signals that
+revoke such keys)."""
 
 from datetime import timedelta
 
@@ -14,13 +16,14 @@ from accounts.authentication import (
     ERROR_INVALID,
     ERROR_MALFORMED,
     ERROR_MISSING,
+    ERROR_NOT_A_MEMBER,
     ERROR_REVOKED,
     AuthenticationError,
     authenticate_header,
 )
-from accounts.models import ApiKey
+from accounts.models import ApiKey, Membership
 from accounts.services import LAST_USED_RESOLUTION_SECONDS
-from tests.factories import api_key_with_raw
+from tests.factories import TeamFactory, api_key_with_raw
 
 
 def _error(header):
@@ -93,14 +96,33 @@ def test_expired_key_is_refused():
 
 
 @pytest.mark.django_db
-def test_key_of_a_deactivated_user_is_invalid():
+def test_key_of_a_deactivated_user_is_refused(django_user_model):
     api_key, raw = api_key_with_raw()
     api_key.user.is_active = False
-    api_key.user.save()
-    assert _error(f"Bearer {raw}") == ERROR_INVALID
+    api_key.user.save()  # as the admin's user form does: the keys are revoked
+    assert _error(f"Bearer {raw}") == ERROR_REVOKED
+    other, other_raw = api_key_with_raw()
+    # An update() sends no signal and revokes nothing: authentication refuses the key anyway.
+    django_user_model.objects.filter(pk=other.user_id).update(is_active=False)
+    assert ApiKey.objects.get(pk=other.pk).revoked_at is None
+    assert _error(f"Bearer {other_raw}") == ERROR_INVALID
+
+
+@pytest.mark.django_db
+def test_key_of_a_user_no_longer_in_its_team_is_refused():
+    api_key, raw = api_key_with_raw()
+    assert authenticate_header(f"Bearer {raw}") == api_key
+    # Moved to another team by an update(), which no signal sees: the key is not revoked...
+    Membership.objects.filter(user=api_key.user).update(team=TeamFactory())
+    assert ApiKey.objects.get(pk=api_key.pk).revoked_at is None
+    # ...and refused all the same, in the query that reads the key.
+    with CaptureQueriesContext(connection) as queries:
+        assert _error(f"Bearer {raw}") == ERROR_NOT_A_MEMBER
+    assert len(queries) == 1
 
 
 def test_errors_never_echo_the_key():
     raw = keys.generate_key()
-    for message in (ERROR_MISSING, ERROR_MALFORMED, ERROR_INVALID, ERROR_REVOKED, ERROR_EXPIRED):
+    messages = (ERROR_MISSING, ERROR_MALFORMED, ERROR_INVALID, ERROR_REVOKED, ERROR_EXPIRED)
+    for message in (*messages, ERROR_NOT_A_MEMBER):
         assert raw not in message

@@ -314,29 +314,52 @@ async def test_a_flexible_request_gets_what_the_tpm_window_has_left(make_limiter
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_precheck_refuses_what_no_size_could_admit_and_reserves_nothing(
+async def test_an_entry_counts_the_request_and_holds_a_slot_but_no_tokens(
     make_limiter, sync_thread_db
 ):
     limiter = make_limiter()
-    api_key = await sync_to_async(ApiKeyFactory)(rpm=3, max_parallel=1, budget_tokens=100)
-    await limiter.precheck(api_key)
-    await limiter.precheck(api_key)  # nothing was counted
-    held = await limiter.admit(api_key, reserved_tokens=10)
+    api_key = await sync_to_async(ApiKeyFactory)(
+        rpm=3, tpm=1000, max_parallel=1, budget_tokens=100
+    )
+    entered = await limiter.enter(api_key)
+    assert entered.granted_tokens == 0
+    assert entered.headers["x-ratelimit-remaining-requests"] == "2"
+    assert entered.headers["x-ratelimit-remaining-tokens"] == "1000"
     with pytest.raises(RateLimitExceeded) as caught:
-        await limiter.precheck(api_key)
+        await limiter.enter(api_key)  # the entry holds the one parallel slot
     assert caught.value.limit == "parallel"
-    await held.release(used_tokens=100)  # the whole budget
+    await entered.reserve(reserved_tokens=500, min_tokens=10)  # a flexible request
+    assert entered.granted_tokens == 100  # what the budget has left
+    assert entered.headers["x-ratelimit-remaining-tokens"] == "900"
+    await entered.release(used_tokens=100)  # the whole budget
     with pytest.raises(RateLimitExceeded) as caught:
-        await limiter.precheck(api_key)
+        await limiter.enter(api_key)
     assert caught.value.code == CODE_QUOTA
     headers = await limiter.current_headers(api_key)
-    assert headers["x-ratelimit-remaining-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "2"  # refused entries count nothing
+
+
+async def test_an_entered_request_spends_its_request_whatever_becomes_of_it(make_limiter):
+    limiter = make_limiter()
+    api_key = make_limited_key(rpm=2, tpm=50, max_parallel=1)
+    first = await limiter.enter(api_key)
+    with pytest.raises(RateLimitExceeded) as caught:
+        await first.reserve(reserved_tokens=80)
+    assert caught.value.message == ERROR_TOO_LARGE.format(limit=50, requested=80)
+    await first.release(used_tokens=0)  # the slot comes back...
+    second = await limiter.enter(api_key)  # (a request that ends in a 400, say)
+    await second.release(used_tokens=0)
+    with pytest.raises(RateLimitExceeded) as caught:
+        await limiter.enter(api_key)  # ...but both requests counted in the rpm window
+    assert caught.value.limit == "requests"
+    headers = await limiter.current_headers(api_key)
+    assert headers["x-ratelimit-remaining-tokens"] == "50"  # and no tokens were left reserved
 
 
 async def test_a_redis_that_does_not_answer_raises_limiter_unavailable(silent_redis):
     for call in (
         lambda limiter, api_key: limiter.admit(api_key, reserved_tokens=1),
-        lambda limiter, api_key: limiter.precheck(api_key),
+        lambda limiter, api_key: limiter.enter(api_key),
         lambda limiter, api_key: limiter.current_headers(api_key),
     ):
         limiter = RedisLimiter(url=silent_redis, timeout_seconds=0.3)
@@ -348,7 +371,7 @@ async def test_a_redis_that_does_not_answer_raises_limiter_unavailable(silent_re
             # Right after, calls fail at once instead of each waiting out the timeout.
             started = time.monotonic()
             with pytest.raises(limits.LimiterUnavailable):
-                await limiter.precheck(api_key)
+                await limiter.enter(api_key)
             assert time.monotonic() - started < 0.2
         finally:
             limiter.close()

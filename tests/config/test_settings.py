@@ -51,3 +51,39 @@ def test_postgres_gets_no_sqlite_options(monkeypatch, tmp_path):
 def test_a_render_timeout_must_be_a_positive_number(monkeypatch, tmp_path, value):
     with pytest.raises(ImproperlyConfigured, match="ORCHARD_RENDER_TIMEOUT_SECONDS"):
         settings_module(monkeypatch, tmp_path, ORCHARD_RENDER_TIMEOUT_SECONDS=value)
+
+
+def test_trusted_proxies_are_networks_in_their_normal_form(monkeypatch, tmp_path):
+    assert settings_module(monkeypatch, tmp_path)["ORCHARD_TRUSTED_PROXIES"] == []
+    proxies = " 127.0.0.1, 10.1.2.3/8 ,fd00::/8"
+    found = settings_module(monkeypatch, tmp_path, ORCHARD_TRUSTED_PROXIES=proxies)
+    assert found["ORCHARD_TRUSTED_PROXIES"] == ["127.0.0.1/32", "10.0.0.0/8", "fd00::/8"]
+
+
+@pytest.mark.parametrize("value", ["nginx", "10.0.0.0/33", "127.0.0.1;10.0.0.1"])
+def test_a_trusted_proxy_must_be_an_address_or_a_network(monkeypatch, tmp_path, value):
+    with pytest.raises(ImproperlyConfigured, match="ORCHARD_TRUSTED_PROXIES"):
+        settings_module(monkeypatch, tmp_path, ORCHARD_TRUSTED_PROXIES=value)
+
+
+def test_the_response_storage_quota_is_bytes_and_not_negative(monkeypatch, tmp_path):
+    found = settings_module(monkeypatch, tmp_path)
+    assert found["ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM"] == 256 * 1024 * 1024
+    found = settings_module(monkeypatch, tmp_path, ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM="1000")
+    assert found["ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM"] == 1000
+    with pytest.raises(ImproperlyConfigured, match="ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM"):
+        settings_module(monkeypatch, tmp_path, ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM="-1")
+
+
+def test_the_body_caps_are_positive_and_django_never_refuses_below_them(monkeypatch, tmp_path):
+    found = settings_module(monkeypatch, tmp_path)
+    caps = (found["ORCHARD_MAX_BODY_BYTES"], found["ORCHARD_MAX_EMBEDDINGS_BODY_BYTES"])
+    assert caps == (4 * 1024 * 1024, 8 * 1024 * 1024)
+    assert found["DATA_UPLOAD_MAX_MEMORY_SIZE"] == 8 * 1024 * 1024
+    found = settings_module(monkeypatch, tmp_path, ORCHARD_MAX_BODY_BYTES="20000000")
+    assert found["DATA_UPLOAD_MAX_MEMORY_SIZE"] == 20_000_000
+    monkeypatch.delenv("ORCHARD_MAX_BODY_BYTES")
+    for name in ("ORCHARD_MAX_BODY_BYTES", "ORCHARD_MAX_EMBEDDINGS_BODY_BYTES"):
+        with pytest.raises(ImproperlyConfigured, match="must be at least 1"):
+            settings_module(monkeypatch, tmp_path, **{name: "0"})
+        monkeypatch.delenv(name)

@@ -177,3 +177,60 @@ def test_many_entries_are_evicted_oldest_first():
     newest = range(1801, 2000)
     assert all(cache.match([10_000 + i, 1, 2, 3, 0], limit=4).length == 4 for i in newest)
     assert cache.match([10_000 + 1800, 1, 2, 3, 0], limit=4).length == 0
+
+
+def test_a_scope_never_matches_another_scopes_entries():
+    cache = PrefixCache(max_bytes=10**9)
+    secret = list(range(300, 340))
+    cache.insert(secret, source_for(secret, tag=0.0), scope="team:1")
+    probe = [*secret, 7]
+    # Not the whole prompt, not one token of it, in any other scope (the unscoped one too).
+    for scope in ("team:2", "", "team:1/salt:x"):
+        assert cache.match(probe, limit=40, scope=scope).length == 0
+        assert cache.match(secret[:2], limit=1, scope=scope).length == 0
+    hit = cache.match(probe, limit=40, scope="team:1")
+    assert hit.length == 40 and read_tokens(hit) == secret
+    # The same tokens computed in another scope are its own entry, read back as its own values.
+    cache.insert(secret, source_for(secret, tag=0.25), scope="team:2")
+    keys = cache.match(probe, limit=40, scope="team:2").kv[0][0][0, 0, :, 0].tolist()
+    assert keys == pytest.approx([t + 0.25 for t in secret])
+    assert read_tokens(cache.match(probe, limit=40, scope="team:1")) == secret
+    assert cache.nbytes == 2 * 40 * BYTES_PER_TOKEN
+
+
+def test_scopes_share_one_budget_and_one_eviction_order():
+    cache = PrefixCache(max_bytes=8 * BYTES_PER_TOKEN)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    cache.insert(a, source_for(a), scope="a")
+    cache.insert(b, source_for(b), scope="b")
+    cache.match([*a, 0], limit=4, scope="a")  # a is now more recent than b
+    cache.insert(c, source_for(c), scope="c")  # over budget: the least recent, b, goes
+    assert cache.nbytes == 8 * BYTES_PER_TOKEN
+    assert cache.match([*b, 0], limit=4, scope="b").length == 0
+    assert cache.match([*a, 0], limit=4, scope="a").length == 4
+    assert cache.match([*c, 0], limit=4, scope="c").length == 4
+    # A scope whose last entry went leaves nothing behind (scopes are per team or salt: many).
+    assert set(cache._roots) == {"a", "c"}
+    held = cache.match([*a, 0], limit=4, scope="a")
+    cache.lock(held)
+    cache.clear()
+    assert set(cache._roots) == {"a"} and cache.nbytes == 4 * BYTES_PER_TOKEN
+    cache.unlock(held)
+    cache.clear()
+    assert cache._roots == {} and cache.stats().nodes == 0
+
+
+def test_hybrid_snapshots_are_scoped_too():
+    cache = PrefixCache(max_bytes=10**9, hybrid=True)
+    system = [5, 6, 7, 8]
+    turn = [*system, 40, 41, 42]
+    cache.insert(turn, hybrid_source_for(turn), state_after(turn), scope="team:1")
+    cache.insert(system, hybrid_source_for(system), state_after(system), scope="team:1")
+    assert cache.match([*turn, 1], limit=7, scope="team:2").length == 0
+    assert cache.match([*system, 99], limit=4, scope="team:2").length == 0
+    # Another scope's own checkpoint of the same tokens is its own snapshot.
+    cache.insert(system, hybrid_source_for(system), state_after(system, tag=0.5), scope="team:2")
+    hit = cache.match([*turn, 1], limit=7, scope="team:2")
+    assert hit.length == 4 and float(hit.state[1][0][0]) == sum(system) + 0.5
+    hit = cache.match([*turn, 1], limit=7, scope="team:1")
+    assert hit.length == 7 and float(hit.state[1][0][0]) == sum(turn)

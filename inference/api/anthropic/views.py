@@ -20,7 +20,13 @@ from inference.api import common
 from inference.api.anthropic import convert
 from inference.api.anthropic.events import MessageBuilder, stop_reason
 from inference.api.chat import requires_tool_call, tools_for_template
-from inference.api.serializers import IntField, NumberField, StrictBooleanField, StrictCharField
+from inference.api.serializers import (
+    CacheSaltField,
+    IntField,
+    NumberField,
+    StrictBooleanField,
+    StrictCharField,
+)
 from inference.errors import APIError
 from inference.services.generation import (
     Generation,
@@ -52,6 +58,7 @@ class MessagesSerializer(CountTokensSerializer):
     top_k = IntField(required=False, allow_null=True)
     stream = StrictBooleanField(required=False, allow_null=True)
     metadata = serializers.DictField(required=False, allow_null=True)
+    cache_salt = CacheSaltField()  # an Orchard extension (`extra_body` in the SDK)
 
 
 def _call(data: dict[str, Any]) -> GenerationCall:
@@ -81,7 +88,12 @@ def _call(data: dict[str, Any]) -> GenerationCall:
         tools=tools,
         parallel_tool_calls=parallel,
         require_tool_call=requires_tool_call(choice, tools),
+        cache_salt=data.get("cache_salt"),
     )
+
+
+def _counted_call(data: dict[str, Any]) -> GenerationCall:
+    return _call({**data, "max_tokens": 1})
 
 
 def _usage(generation: Generation) -> dict[str, Any]:
@@ -143,11 +155,9 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
 @csrf_exempt
 @require_POST
 async def messages_create(request: HttpRequest) -> HttpResponse:
-    api_key = await common.authenticate(request, x_api_key=True)
-    data = common.validate(MessagesSerializer, common.parse_json_body(request))
-    generation = await generation_start(
-        api_key=api_key, request_id=request.orchard_request_id, call=_call(data)
-    )
+    async with common.intake_for(request, "messages", x_api_key=True) as intake:
+        data, call = await intake.in_thread(common.read_body, request, MessagesSerializer, _call)
+        generation = await generation_start(intake=intake, call=call)
     message = {
         "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",
@@ -172,10 +182,9 @@ async def messages_create(request: HttpRequest) -> HttpResponse:
 @csrf_exempt
 @require_POST
 async def count_tokens(request: HttpRequest) -> HttpResponse:
-    api_key = await common.authenticate(request, x_api_key=True)
-    data = common.validate(CountTokensSerializer, common.parse_json_body(request))
-    call = _call({**data, "max_tokens": 1})
-    count = await prompt_token_count(
-        api_key=api_key, request_id=request.orchard_request_id, call=call
-    )
+    async with common.intake_for(request, "messages.count_tokens", x_api_key=True) as intake:
+        _, call = await intake.in_thread(
+            common.read_body, request, CountTokensSerializer, _counted_call
+        )
+        count = await prompt_token_count(intake=intake, call=call)
     return common.json_response({"input_tokens": count}, {})

@@ -10,6 +10,7 @@ from typing import Any
 from rest_framework import serializers
 
 from inference.api.serializers import (
+    CacheSaltField,
     IntField,
     NumberField,
     StrictBooleanField,
@@ -56,6 +57,7 @@ class ResponseCreateSerializer(serializers.Serializer):
     presence_penalty = NumberField(required=False, allow_null=True)
     frequency_penalty = NumberField(required=False, allow_null=True)
     repetition_penalty = NumberField(required=False, allow_null=True)
+    cache_salt = CacheSaltField()
 
     def validate_background(self, value: bool | None) -> bool | None:
         if value:

@@ -24,7 +24,14 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from engine import PromptInput
 from inference.api.chat import requires_tool_call, structured_output, tools_for_template
-from inference.api.common import authenticate, json_response, parse_json_body, typed_sse, validate
+from inference.api.common import (
+    authenticate,
+    intake_for,
+    json_response,
+    read_body,
+    typed_sse,
+    validate,
+)
 from inference.api.common import streaming_response as sse_response
 from inference.api.responses import items as input_items
 from inference.api.responses.events import ResponseBuilder
@@ -35,10 +42,13 @@ from inference.services.output import GenerationFailed
 from inference.services.responses import (
     ResponseRun,
     input_items_page,
-    response_delete,
-    response_get,
     response_not_found,
     response_start,
+)
+from inference.services.stored_responses import (
+    response_delete,
+    response_get,
+    response_input_items_get,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,6 +80,10 @@ def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _items(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return input_items.input_items(data["input"])
+
+
 def _call(data: dict[str, Any], conversation: list[dict[str, Any]]) -> GenerationCall:
     functions, _ = input_items.template_tools(data.get("tools"))
     choice, functions = input_items.chat_tool_choice(data.get("tool_choice"), functions)
@@ -97,6 +111,7 @@ def _call(data: dict[str, Any], conversation: list[dict[str, Any]]) -> Generatio
         tools=tools,
         parallel_tool_calls=data.get("parallel_tool_calls") is not False,
         require_tool_call=requires_tool_call(choice, tools),
+        cache_salt=data.get("cache_salt"),
     )
 
 
@@ -191,17 +206,16 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
 @csrf_exempt
 @require_POST
 async def responses_create(request: HttpRequest) -> HttpResponse:
-    api_key = await authenticate(request)
-    data = validate(ResponseCreateSerializer, parse_json_body(request))
-    run = await response_start(
-        api_key=api_key,
-        request_id=request.orchard_request_id,
-        input_items=input_items.input_items(data["input"]),
-        call_for=functools.partial(_call, data),
-        previous_response_id=data.get("previous_response_id"),
-        truncate=data.get("truncation") == "auto",
-        store=data.get("store") is not False,
-    )
+    async with intake_for(request, "responses") as intake:
+        data, items = await intake.in_thread(read_body, request, ResponseCreateSerializer, _items)
+        run = await response_start(
+            intake=intake,
+            input_items=items,
+            call_for=functools.partial(_call, data),
+            previous_response_id=data.get("previous_response_id"),
+            truncate=data.get("truncation") == "auto",
+            store=data.get("store") is not False,
+        )
     builder = ResponseBuilder(
         _response_object(input_items.new_id("resp"), data, run.generation.model, run.store),
         input_items.template_tools(data.get("tools"))[1],
@@ -236,10 +250,10 @@ async def response_detail(request: HttpRequest, response_id: str) -> HttpRespons
 async def response_input_items(request: HttpRequest, response_id: str) -> HttpResponse:
     api_key = await authenticate(request)
     query = validate(InputItemsQuerySerializer, request.GET.dict())
-    stored = await sync_to_async(response_get)(api_key=api_key, response_id=response_id)
-    if stored is None:
+    items = await sync_to_async(response_input_items_get)(api_key=api_key, response_id=response_id)
+    if items is None:
         raise response_not_found(response_id)
     page = input_items_page(
-        stored, order=query["order"], after=query.get("after"), limit=query["limit"]
+        items, order=query["order"], after=query.get("after"), limit=query["limit"]
     )
     return json_response(page, {})

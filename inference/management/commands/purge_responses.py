@@ -3,7 +3,7 @@ import datetime
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from inference.services.responses import responses_purge
+from inference.services.stored_responses import responses_purge
 
 
 class Command(BaseCommand):

@@ -1,7 +1,11 @@
 """/v1/embeddings with the official `openai` client over real HTTP, on the default embedding
 model (all-MiniLM-L6-v2 from its PyPI package): dimension, normalisation, equality with an
-independent NumPy BERT, similarity, token-id input, usage, limits and errors."""
+independent NumPy BERT, similarity, token-id input, usage, limits and errors, and a client that
+leaves mid-request (its forwards stop, it is billed what ran)."""
 
+import http.client
+import json
+import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +20,7 @@ from inference.models import ModelEntry, UsageRecord
 from inference.services.registry import model_register
 from tests.fixtures.bert_reference import ReferenceBert
 from tests.inference.api.test_chat import finished_row
+from tests.inference.api.test_limits import refused_count
 from tests.inference.conftest import TINY
 
 EMBED = "all-minilm-l6-v2"
@@ -131,4 +136,44 @@ def test_limits_apply(live_server_url, make_key, embedding_model):
     statuses = sorted(
         UsageRecord.objects.filter(endpoint="embeddings").values_list("status", flat=True)
     )
-    assert statuses == ["completed", "rejected"]
+    assert statuses == ["completed"]
+    assert refused_count() == 1  # counted in the roll-up, without a row
+
+
+def post_and_keep_open(base_url: str, body: dict, key: str) -> http.client.HTTPConnection:
+    """POST /v1/embeddings without reading the answer: closing the connection is the client
+    leaving."""
+    url = httpx.URL(base_url)
+    connection = http.client.HTTPConnection(url.host, url.port, timeout=60)
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    connection.request("POST", "/v1/embeddings", body=json.dumps(body), headers=headers)
+    return connection
+
+
+def test_a_client_that_leaves_stops_its_forwards_and_is_billed_what_ran(
+    live_server_url, make_key, embedding_model
+):
+    """Team A's 2048 inputs are 32 forwards' worth. Team B's small request, sent once A's job is
+    in the engine, takes its turn after A's first forward; when B has its answer, A leaves. The
+    engine stops A between forwards, and A's row bills the tokens computed: some, not all."""
+    large = [[101, 2000 + i % 500, 102] for i in range(2048)]
+    key_a, key_b = make_key("ann", "team-a"), make_key("bob", "team-b")
+    leaving = post_and_keep_open(live_server_url, {"model": EMBED, "input": large}, key_a)
+    try:
+        deadline = time.monotonic() + 60
+        while not (row := UsageRecord.objects.filter(team__name="team-a").first()):
+            assert time.monotonic() < deadline, "team A's request never reached the engine"
+            time.sleep(0.02)  # its row opens just before its job goes to the engine
+        small = httpx.post(
+            f"{live_server_url}/v1/embeddings",
+            json={"model": EMBED, "input": "A man is playing a guitar."},
+            headers={"Authorization": f"Bearer {key_b}"},
+            timeout=60,
+        )
+        assert small.status_code == 200, small.text
+    finally:
+        leaving.close()
+    row = finished_row(row.request_id, timeout=30)
+    assert (row.status, row.error_code) == ("cancelled", "client_disconnected")
+    assert row.reserved_tokens == 3 * len(large)
+    assert 0 < row.prompt_tokens < 3 * len(large)

@@ -2,12 +2,14 @@
 non-streamed responses, and real concurrency against max_parallel."""
 
 import asyncio
+import time
 
 import httpx
 import openai
 import pytest
+from django.db.models import Sum
 
-from inference.models import UsageRecord
+from inference.models import DailyUsage, UsageRecord
 from tests.inference.conftest import TINY
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -19,6 +21,17 @@ RATE_HEADERS = (
     "x-ratelimit-reset-requests",
     "x-ratelimit-reset-tokens",
 )
+
+
+def refused_count(expected: int = 1) -> int:
+    """The refusals the day's roll-ups count, once the server has written `expected` of them
+    (it writes them within a second: inference/services/refusals.py)."""
+    deadline = time.monotonic() + 5
+    while True:
+        count = DailyUsage.objects.aggregate(n=Sum("num_rejected"))["n"] or 0
+        if count >= expected or time.monotonic() > deadline:
+            return count
+        time.sleep(0.05)
 
 
 def client_for(live_server_url, key):
@@ -46,7 +59,7 @@ def test_rate_limit_headers_on_every_response_of_a_limited_key(
     assert models.headers["x-ratelimit-limit-requests"] == "100"
 
 
-def test_rpm_limit_gives_429_with_an_openai_body_and_a_rejected_row(
+def test_rpm_limit_gives_429_with_an_openai_body_and_a_counted_refusal(
     live_server_url, make_key, tiny_models
 ):
     key = make_key(rpm=2)
@@ -58,7 +71,8 @@ def test_rpm_limit_gives_429_with_an_openai_body_and_a_rejected_row(
     assert caught.value.code == "rate_limit_exceeded"
     assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "0"
     statuses = sorted(UsageRecord.objects.values_list("status", flat=True))
-    assert statuses == ["completed", "completed", "rejected"]
+    assert statuses == ["completed", "completed"]  # a refusal has no row of its own...
+    assert refused_count() == 1  # ...but the day's roll-up counts it
 
 
 def test_budget_exhaustion_is_insufficient_quota(live_server_url, make_key, tiny_models):
@@ -106,10 +120,9 @@ def test_fifty_simultaneous_requests_against_max_parallel_two(
     assert admitted >= 2
     assert statuses.count(429) == 50 - admitted
     rows = list(UsageRecord.objects.all())
-    assert len(rows) == 50
     completed = [r for r in rows if r.status == UsageRecord.Status.COMPLETED]
-    assert len(completed) == admitted
-    assert sum(r.status == UsageRecord.Status.REJECTED for r in rows) == 50 - admitted
+    assert len(completed) == len(rows) == admitted
+    assert refused_count(50 - admitted) == 50 - admitted
     # Never more than two admitted requests overlapping in time.
     events = sorted(
         [(r.started_at, 1) for r in completed] + [(r.finished_at, -1) for r in completed]
@@ -193,4 +206,44 @@ def test_a_limited_key_is_refused_before_its_prompt_is_rendered(
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(model=TINY, messages=too_long, max_tokens=1)
     assert caught.value.code == "rate_limit_exceeded"
-    assert UsageRecord.objects.filter(status=UsageRecord.Status.REJECTED).count() == 1
+    assert refused_count() == 1
+
+
+def test_bad_requests_and_token_counts_spend_the_keys_requests_too(
+    live_server_url, make_key, tiny_models
+):
+    """Every authenticated request counts against rpm, whatever it asks: a 400 and a
+    count_tokens of one key spend its window; another team's key is untouched."""
+    key, other = make_key(rpm=3), make_key("bob", "team-b", rpm=3)
+    with httpx.Client(base_url=live_server_url, timeout=60) as http:
+        bad = http.post(
+            "/v1/chat/completions",
+            json={"model": TINY, "messages": "not a list"},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert bad.status_code == 400
+        assert bad.headers["x-ratelimit-remaining-requests"] == "2"
+        counted = http.post(
+            "/v1/messages/count_tokens",
+            json={"model": TINY, "messages": [{"role": "user", "content": "Hi"}]},
+            headers={"x-api-key": key, "anthropic-version": "2023-06-01"},
+        )
+        assert counted.status_code == 200, counted.text
+        assert counted.json()["input_tokens"] > 0
+        unknown = http.post(
+            "/v1/chat/completions",
+            json={"model": "no-such-model", "messages": MESSAGES},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert unknown.status_code == 404
+        refused = http.post(
+            "/v1/chat/completions",
+            json={"model": TINY, "messages": MESSAGES, "max_tokens": 1},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    answered = client_for(live_server_url, other).chat.completions.create(
+        model=TINY, messages=MESSAGES, max_tokens=1
+    )
+    assert answered.usage.completion_tokens == 1

@@ -17,7 +17,7 @@ from inference.errors import APIError
 from inference.models import ModelEntry, UsageRecord
 from inference.services import execution as execution_module
 from inference.services import settlement as settlement_module
-from inference.services.admission import request_admit
+from inference.services.admission import request_intake
 from inference.services.execution import Execution
 from inference.services.generation import Generation
 from tests.engine.conftest import eventually
@@ -32,13 +32,13 @@ def make_key():
 
 async def admitted(api_key, request_id, requests) -> Execution:
     """An execution of `requests` admitted for `api_key`, as the generation service makes it."""
-    settlement = await request_admit(
-        api_key=api_key,
-        request_id=request_id,
-        model="m",
-        endpoint="chat.completions",
-        reserved_tokens=sum(len(r.prompt_token_ids) + r.sampling.max_tokens for r in requests),
-    )
+    async with request_intake(
+        api_key=api_key, request_id=request_id, endpoint="chat.completions"
+    ) as intake:
+        settlement = await intake.reserve(
+            model="m",
+            reserved_tokens=sum(len(r.prompt_token_ids) + r.sampling.max_tokens for r in requests),
+        )
     return Execution(settlement, requests)
 
 

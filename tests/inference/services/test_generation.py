@@ -1,7 +1,5 @@
-"""The generation service's own policies, without a model: render slots per key, and how the
-size of a request the caller did not size is decided."""
-
-import asyncio
+"""The generation service's own policies, without a model: how the size of a request the caller
+did not size is decided (renders share the fair preparation gate: test_prework.py)."""
 
 import pytest
 
@@ -13,41 +11,27 @@ from engine import (
     validate_generation,
 )
 from inference.models import ModelEntry
-from inference.services import generation
 from inference.services.generation import GenerationCall, Sizing, _sampling
-from tests.accounts.conftest import make_limited_key
 
 INFO = ModelInfo(name="m", context_length=4096, vocab_size=1000, eos_token_ids=(0,))
-
-
-async def test_one_key_renders_at_most_two_prompts_at_once_and_leaves_no_state():
-    slot = generation._RenderSlots()
-    key, other = make_limited_key(), make_limited_key()
-    inside, release = [], asyncio.Event()
-
-    async def render(api_key, tag):
-        async with slot(api_key):
-            inside.append(tag)
-            await release.wait()
-
-    tasks = [asyncio.create_task(render(key, i)) for i in range(3)]
-    tasks.append(asyncio.create_task(render(other, "other")))
-    await asyncio.sleep(0.05)
-    assert sorted(inside, key=str) == [0, 1, "other"]  # the key's third render waits
-    release.set()
-    await asyncio.gather(*tasks)
-    assert len(inside) == 4
-    assert slot._slots[asyncio.get_running_loop()] == {}
 
 
 def sized(call, entry, prompt_lengths, **kwargs):
     sampling, limit = _sampling(call, entry)
     prompts = [RenderedPrompt(token_ids=(1,) * length) for length in prompt_lengths]
-    return Sizing("req", "m", prompts, sampling, limit, INFO).requests(**kwargs)
+    return Sizing("req", "m", prompts, sampling, limit, INFO, "team:7").requests(**kwargs)
 
 
 def max_tokens(requests):
     return [request.sampling.max_tokens for request in requests]
+
+
+def test_every_request_of_a_call_carries_its_cache_scope():
+    entry = ModelEntry(name="m")
+    call = GenerationCall("completions", "m", (), "prompt", sampling={"max_tokens": 5})
+    requests = sized(call, entry, [10, 20, 30])
+    assert [r.cache_scope for r in requests] == ["team:7"] * 3
+    assert requests[0].request_id != requests[1].request_id
 
 
 def test_a_registry_default_max_tokens_is_an_upper_bound_not_a_caller_value():

@@ -109,3 +109,33 @@ def test_a_draft_model_reaches_the_engine_spec_and_is_checked(tiny_model_path, t
     # Deleting the draft model leaves the models it drafted for without one.
     draft.delete()
     assert ModelEntry.objects.get(name="big").draft_model is None
+
+
+@pytest.mark.django_db
+def test_prefix_cache_shared_is_set_in_the_admin_and_reloads_nothing(admin_client, tiny_model_path):
+    from inference.models import ModelEntry
+    from inference.services.registry import model_spec
+
+    entry = model_register(name="m", path=tiny_model_path)
+    spec = model_spec(entry)
+    url = f"/admin/inference/modelentry/{entry.pk}/change/"
+    assert 'name="prefix_cache_shared"' in admin_client.get(url).content.decode()
+    form = {
+        "name": "m",
+        "path": entry.path,
+        "kind": entry.kind,
+        "engine": entry.engine,
+        "enabled": "on",
+        "max_num_seqs": entry.max_num_seqs,
+        "max_num_batched_tokens": entry.max_num_batched_tokens,
+        "max_waiting": entry.max_waiting,
+        "speculative_tokens": entry.speculative_tokens,
+        "default_sampling": "{}",
+        "prefix_cache_shared": "on",
+    }
+    response = admin_client.post(url, form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    entry = ModelEntry.objects.get(pk=entry.pk)
+    assert entry.prefix_cache_shared
+    # It scopes requests, not the engine: the serving engine keeps its spec (no reload).
+    assert model_spec(entry) == spec

@@ -13,9 +13,10 @@ from django.utils import timezone
 
 from accounts.models import Membership
 from inference.models import StoredResponse
-from inference.services.responses import (
-    conversation_items,
-    input_items_page,
+from inference.services.responses import input_items_page
+from inference.services.stored_responses import (
+    Conversation,
+    response_continued,
     response_get,
     response_store,
     responses_purge,
@@ -53,7 +54,7 @@ def stored(api_key, response_id: str, *, days_old: float = 0, text: str = "hi") 
             "content": [{"type": "input_text", "text": "question"}],
         }
     ]
-    return response_store(api_key=api_key, body=body, input_items=items)
+    return response_store(api_key=api_key, body=body, conversation=Conversation(new_items=items))
 
 
 def test_a_stored_response_is_found_only_by_its_team():
@@ -68,21 +69,20 @@ def test_a_stored_response_is_found_only_by_its_team():
 
 def test_the_conversation_continues_with_what_it_answered_then_its_output():
     key = ApiKeyFactory()
-    response = stored(key, "resp_a", text="answer")
-    assert [i["id"] for i in conversation_items(response)] == ["in_resp_a", "msg_resp_a"]
+    stored(key, "resp_a", text="answer")
+    continued = response_continued(api_key=key, response_id="resp_a")
+    assert [i["id"] for i in continued] == ["in_resp_a", "msg_resp_a"]
 
 
 def test_input_item_pages():
-    key = ApiKeyFactory()
-    response = stored(key, "resp_a")
-    response.input_items = [{"id": f"item_{i}"} for i in range(5)]
-    first = input_items_page(response, order="asc", limit=2)
+    items = [{"id": f"item_{i}"} for i in range(5)]
+    first = input_items_page(items, order="asc", limit=2)
     assert [i["id"] for i in first["data"]] == ["item_0", "item_1"] and first["has_more"]
-    rest = input_items_page(response, order="asc", after="item_3", limit=2)
+    rest = input_items_page(items, order="asc", after="item_3", limit=2)
     assert [i["id"] for i in rest["data"]] == ["item_4"] and not rest["has_more"]
-    newest = input_items_page(response, limit=1)
+    newest = input_items_page(items, limit=1)
     assert newest["first_id"] == newest["last_id"] == "item_4"
-    assert input_items_page(response, after="unknown")["data"] == []
+    assert input_items_page(items, after="unknown")["data"] == []
 
 
 def test_purge_deletes_by_age_in_batches():
@@ -151,11 +151,10 @@ def test_nul_characters_are_stored_replaced_and_odd_ids_are_unknown():
         "status": "completed",
         "output": [{"type": "message", "text": "a\x00b"}],
     }
-    stored_response = response_store(
-        api_key=key, body=body, input_items=[{"type": "message", "text": "q\x00"}]
-    )
+    conversation = Conversation(new_items=[{"type": "message", "text": "q\x00"}])
+    stored_response = response_store(api_key=key, body=body, conversation=conversation)
     stored_response.refresh_from_db()
     assert stored_response.body["output"][0]["text"] == "a\ufffdb"
-    assert stored_response.input_items[0]["text"] == "q\ufffd"
+    assert stored_response.new_input_items[0]["text"] == "q\ufffd"
     assert response_get(api_key=key, response_id="resp\x00nul") is None
     assert response_get(api_key=key, response_id="r" * 65) is None

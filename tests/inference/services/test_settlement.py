@@ -17,6 +17,7 @@ from inference.api.openai_format import SSE_DONE
 from inference.models import ModelEntry, UsageRecord
 from inference.services import embeddings as embeddings_module
 from inference.services import settlement as settlement_module
+from inference.services.admission import request_intake
 from inference.services.embeddings import embeddings_create
 from tests.engine.conftest import eventually
 from tests.inference.services.test_execution import (
@@ -97,13 +98,18 @@ class FakeEmbedder:
     async def embedding_model(self, spec):
         return EmbeddingInfo(spec.name, 4, 16, 100, normalize=True, pooling="mean")
 
-    async def tokenize(self, model, texts):
+    async def tokenize(self, model, texts, *, timeout_s=None):
         return [[1, 2, 3] for _ in texts]
 
-    async def embed(self, model, token_ids):
+    async def embed(self, model, token_ids, progress=None):
         if self.hold is not None:
             await self.hold.wait()
         return np.ones((len(token_ids), 4), np.float32)
+
+
+async def embed(api_key, request_id, inputs):
+    async with request_intake(api_key=api_key, request_id=request_id, endpoint="embeddings") as i:
+        return await embeddings_create(intake=i, model="emb", inputs=inputs)
 
 
 async def embedding_key(monkeypatch, engine):
@@ -128,9 +134,7 @@ async def test_an_embeddings_usage_row_the_database_refuses_is_retried(monkeypat
     monkeypatch.setattr(settlement_module, "usage_finish", locked_once)
     monkeypatch.setattr(settlement_module, "USAGE_RETRY_DELAYS_S", (0.05,))
     api_key = await embedding_key(monkeypatch, FakeEmbedder())
-    result = await embeddings_create(
-        api_key=api_key, request_id="req_emb", model="emb", inputs=["a", "b"]
-    )
+    result = await embed(api_key, "req_emb", ["a", "b"])
     assert result.vectors.shape == (2, 4) and result.num_tokens == 6
 
     async def finished() -> bool:
@@ -147,9 +151,7 @@ async def test_an_embeddings_usage_row_the_database_refuses_is_retried(monkeypat
 async def test_an_embedding_request_cancelled_frees_its_reservation(monkeypatch):
     hold = asyncio.Event()  # the model never answers: the client leaves first
     api_key = await embedding_key(monkeypatch, FakeEmbedder(hold))
-    task = asyncio.create_task(
-        embeddings_create(api_key=api_key, request_id="req_gone", model="emb", inputs=["a"])
-    )
+    task = asyncio.create_task(embed(api_key, "req_gone", ["a"]))
 
     async def row_open() -> bool:
         return await sync_to_async(UsageRecord.objects.filter(request_id="req_gone").exists)()

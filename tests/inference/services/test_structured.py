@@ -99,3 +99,40 @@ def test_refusals_name_their_field(call, param):
     with pytest.raises(APIError) as caught:
         call()
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_a_grammar_over_the_budget_is_refused_naming_the_limit_before_it_is_checked(
+    settings, monkeypatch
+):
+    settings.ORCHARD_GRAMMAR_MAX_BYTES = 10_000
+    checked = []
+    monkeypatch.setattr(
+        llguidance.LLMatcher,
+        "validate_grammar",
+        staticmethod(lambda grammar: checked.append(grammar) or ""),
+    )
+    schema = {"enum": [f"value-{i}" for i in range(2000)]}
+    with pytest.raises(APIError) as caught:
+        json_schema_grammar(schema, "response_format")
+    error = caught.value
+    assert (error.status, error.param, error.code) == (400, "response_format", "invalid_grammar")
+    assert "over the limit of 10000 bytes" in error.message
+    assert checked == []
+
+
+def test_a_grammar_is_checked_once_whatever_the_number_of_requests(monkeypatch):
+    real = llguidance.LLMatcher.validate_grammar
+    checked = []
+
+    def counting(grammar):
+        checked.append(grammar)
+        return real(grammar)
+
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", staticmethod(counting))
+    schema = {"type": "object", "properties": {"tag": {"const": "checked-once"}}}
+    grammars = {json_schema_grammar(schema, "response_format") for _ in range(3)}
+    assert len(grammars) == 1 and len(checked) == 1
+    for _ in range(2):  # refusals are remembered too
+        with pytest.raises(APIError):
+            extension_grammar({"regex": "(unclosed-once"})
+    assert len(checked) == 2

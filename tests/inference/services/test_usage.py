@@ -12,7 +12,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from accounts.limits import PARALLEL_LEASE_SECONDS
-from accounts.models import ApiKeyMonthlyUsage
+from accounts.models import ApiKey, ApiKeyMonthlyUsage, Team
 from accounts.selectors import month_start
 from inference.models import DailyUsage, UsageRecord
 from inference.services.usage import (
@@ -22,7 +22,7 @@ from inference.services.usage import (
     usage_finish,
     usage_open,
     usage_records_visible_to,
-    usage_reject,
+    usage_refusals_add,
     usage_totals,
 )
 from tests.factories import ApiKeyFactory, MembershipFactory, UsageRecordFactory, UserFactory
@@ -53,9 +53,12 @@ def _in_threads(target, num_threads: int) -> list:
     return results
 
 
-def _recompute_daily() -> dict:
-    """The daily roll-ups as they should be, from the finished rows alone."""
+def _recompute_daily(refused: Counter) -> dict:
+    """The daily roll-ups as they should be, from the finished rows and the refusals counted."""
     expected = defaultdict(Counter)
+    for bucket, count in refused.items():
+        expected[bucket]["num_requests"] += count
+        expected[bucket]["num_rejected"] += count
     for row in UsageRecord.objects.exclude(status=Status.IN_PROGRESS):
         bucket = expected[(row.started_at.date(), row.team_id, row.api_key_id, row.model)]
         bucket["num_requests"] += 1
@@ -85,8 +88,8 @@ def _stored_daily() -> dict:
     return stored
 
 
-def _assert_roll_ups_match_rows() -> None:
-    assert _stored_daily() == _recompute_daily()
+def _assert_roll_ups_match_rows(refused: Counter | None = None) -> None:
+    assert _stored_daily() == _recompute_daily(refused or Counter())
     rows = UsageRecord.objects.exclude(status=Status.IN_PROGRESS)
     by_key_month = Counter()
     for row in rows:
@@ -184,33 +187,31 @@ def test_many_rows_finished_at_once_all_land():
 
 
 @pytest.mark.django_db
-def test_reject_creates_a_finished_rolled_up_row():
+def test_refusals_are_counted_in_the_roll_ups_without_rows():
     api_key = ApiKeyFactory()
-    record = usage_reject(
-        request_id="r-429",
-        api_key=api_key,
-        model="m",
-        endpoint="/v1/completions",
-        error_code="rate_limit_exceeded",
-    )
-    assert (record.status, record.error_code) == (Status.REJECTED, "rate_limit_exceeded")
-    assert record.finished_at is not None
-    daily = DailyUsage.objects.get()
-    assert (daily.num_requests, daily.num_rejected) == (1, 1)
-    _assert_roll_ups_match_rows()
+    today = timezone.now().date()
+    bucket = (today, api_key.team_id, api_key.pk, "m")
+    usage_refusals_add(counts={bucket: 3})
+    usage_refusals_add(counts={bucket: 2, (today, api_key.team_id, api_key.pk, ""): 1})
+    assert not UsageRecord.objects.exists()
+    daily = DailyUsage.objects.get(model="m")
+    assert (daily.num_requests, daily.num_rejected, daily.prompt_tokens) == (5, 5, 0)
+    assert DailyUsage.objects.get(model="").num_rejected == 1
 
 
 @pytest.mark.django_db
 def test_roll_ups_recomputed_from_rows_are_equal():
     rng = random.Random(5)
     keys = [ApiKeyFactory() for _ in range(3)]
+    refused = Counter()
     for n in range(60):
         api_key = rng.choice(keys)
         model = rng.choice(["a", "b"])
         if rng.random() < 0.15:
-            usage_reject(
-                request_id=f"x{n}", api_key=api_key, model=model, endpoint="/v1/x", error_code="e"
+            usage_refusals_add(
+                counts={(timezone.now().date(), api_key.team_id, api_key.pk, model): 1}
             )
+            refused[(timezone.now().date(), api_key.team_id, api_key.pk, model)] += 1
             continue
         record = usage_open(request_id=f"r{n}", api_key=api_key, model=model, endpoint="/v1/x")
         if rng.random() < 0.1:
@@ -222,7 +223,7 @@ def test_roll_ups_recomputed_from_rows_are_equal():
             cached_tokens=rng.randint(0, 5),
             completion_tokens=rng.randint(0, 50),
         )
-    _assert_roll_ups_match_rows()
+    _assert_roll_ups_match_rows(refused)
 
 
 @pytest.mark.django_db
@@ -303,8 +304,22 @@ def test_totals_per_team_and_key_come_from_roll_ups():
         usage_finish(
             record_id=record.pk, status=Status.COMPLETED, prompt_tokens=n, completion_tokens=1
         )
+    other = ApiKeyFactory()
+    usage_finish(record_id=UsageRecordFactory(api_key=other).pk, status=Status.COMPLETED)
     day = record.started_at.date()
-    totals = usage_totals(daily=DailyUsage.objects.all(), since=day, until=day)
-    assert totals["teams"][0]["num_requests"] == 3
-    assert totals["keys"][0]["prompt_tokens"] == 3
-    assert totals["keys"][0]["completion_tokens"] == 3
+    every = {"teams": Team.objects.all(), "api_keys": ApiKey.objects.all()}
+    totals = usage_totals(daily=DailyUsage.objects.all(), since=day, until=day, **every)
+    by_team = {row["team_id"]: row["num_requests"] for row in totals["teams"]}
+    assert by_team == {api_key.team_id: 3, other.team_id: 1}
+    mine = next(row for row in totals["keys"] if row["api_key_id"] == api_key.pk)
+    assert (mine["prompt_tokens"], mine["completion_tokens"]) == (3, 3)
+    # What a reader may see narrows each table; None leaves a table out.
+    narrowed = usage_totals(
+        daily=DailyUsage.objects.all(),
+        since=day,
+        until=day,
+        teams=Team.objects.filter(pk=other.team_id),
+        api_keys=None,
+    )
+    assert [row["team_id"] for row in narrowed["teams"]] == [other.team_id]
+    assert narrowed["keys"] is None

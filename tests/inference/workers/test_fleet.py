@@ -2,16 +2,29 @@
 with prefix affinity, what this process has in flight counted, and waiting for the workers to
 place a model."""
 
-import pytest
+import dataclasses
 
-from engine.protocol import EmbeddingInfo, ModelInfo, ModelSpec, ModelUnavailableError
+import pytest
+from channels_redis.serializers import registry
+
+from engine.protocol import (
+    EmbeddingInfo,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    ModelSpec,
+    ModelUnavailableError,
+    SamplingParams,
+)
 from inference.workers.beats import ModelBeat, WorkerBeat
 from inference.workers.client import RemoteEngineClient
 from inference.workers.fleet import Worker
 from inference.workers.replies import Call
+from inference.workers.wire import worker_channel
 from tests.inference.workers.test_replies import make_client
 
 SPEC = ModelSpec("m", "/nowhere")
+MSGPACK = registry.get_serializer("msgpack")  # what channels-redis puts on the wire
 
 
 def test_a_continued_prompt_goes_back_to_its_worker_unless_that_one_is_much_busier():
@@ -34,6 +47,54 @@ def test_a_continued_prompt_goes_back_to_its_worker_unless_that_one_is_much_busi
     # ...and so does the continuation once w2 is busier by more than the slack.
     client.fleet.workers["w2"] = worker("w2", 4)
     assert client._route("m", set(), continued).beat.worker_id == "w1"
+
+
+async def test_a_request_travels_with_its_cache_scope_and_follows_only_its_scopes_affinity(
+    monkeypatch,
+):
+    client = make_client()
+    sent: list[tuple[str, dict]] = []
+
+    class Layer:
+        """Hands each message through the channel layer's own serializer, as Redis would, and
+        answers it at once."""
+
+        async def send(self, channel: str, message: dict) -> None:
+            wire = MSGPACK.deserialize(MSGPACK.serialize(message))
+            sent.append((channel, wire))
+            request_id = wire["request"]["request_id"]
+            done = GenerationOutput(0, "", (), finish_reason="stop")
+            client.replies.flights[request_id].queue.put_nowait(done)
+
+    async def started() -> None:
+        pass
+
+    monkeypatch.setattr(client, "_started", started)
+    client._layer, client.replies.channel = Layer(), "reply!1"
+
+    def worker(worker_id: str, running: int) -> Worker:
+        stats = {"num_waiting": 0, "num_running": running}
+        models = {"m": ModelBeat("m", "serving", stats=stats)}
+        return Worker(WorkerBeat(worker_id, "h", 1, 0.0, seq=1, models=models), 1, 0.0, True)
+
+    client.fleet.workers = {"w1": worker("w1", 0), "w2": worker("w2", 1)}
+    conversation = tuple(range(300))
+    client.fleet.affinity.remember("m", conversation, "w2", "team:1")
+    request = GenerationRequest(
+        "r1", "m", (*conversation, 7), SamplingParams(max_tokens=1), cache_scope="team:1"
+    )
+    outputs = [o async for o in client.generate(request)]
+    assert outputs[-1].finish_reason == "stop"
+    channel, message = sent[-1]
+    # Where team 1's conversation ran, and the scope arrives for the worker's engine.
+    assert channel == worker_channel("unit", "w2")
+    assert GenerationRequest.from_dict(message["request"]) == request
+    # Team 2's identical prompt could not reuse w2's cache: the least loaded worker takes it.
+    other = dataclasses.replace(request, request_id="r2", cache_scope="team:2")
+    assert [o.finish_reason async for o in client.generate(other)] == ["stop"]
+    channel, message = sent[-1]
+    assert channel == worker_channel("unit", "w1")
+    assert GenerationRequest.from_dict(message["request"]).cache_scope == "team:2"
 
 
 def test_calls_in_flight_count_toward_a_workers_load():

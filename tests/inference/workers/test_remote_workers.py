@@ -1,8 +1,8 @@
 """Engines in `runengine` worker processes, reached over the Channels layer on Redis: streaming,
 least-loaded routing, a worker killed mid-stream, a SIGTERM drain, cancellation across
 processes, the registry followed without a restart, and embeddings served by the workers (equal
-to the in-process engine's, bad calls answered, a worker stopping mid-call a 503), on the real
-Redis and the test database.
+to the in-process engine's, stopped between forwards when the client leaves, bad calls answered,
+a worker stopping mid-call a 503), on the real Redis and the test database.
 
 The tests share one layout, in an order that spares it work: the registry test after those of
 embeddings (a nudge after it would load the tiny model again, on the registry's default spec),
@@ -20,6 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from inference.models import ModelEntry, UsageRecord
+from tests.inference.api.test_embeddings import post_and_keep_open
 from tests.inference.conftest import TINY, TINY_SIMPLE
 from tests.inference.workers.conftest import REDIS_URL, TIMEOUT_S, nudge
 
@@ -159,6 +160,24 @@ def test_embeddings_through_remote_workers_match_the_in_process_engine(
     rows = finished_rows(3)
     assert [r.status for r in rows] == [UsageRecord.Status.COMPLETED] * 3
     assert {r.endpoint for r in rows} == {"embeddings"}
+
+
+def test_a_client_that_leaves_stops_its_embedding_on_the_worker(layout, embedded, key):
+    """2048 inputs, 32 forwards' worth; the client leaves once a worker's beats count the first.
+    The web process asks the worker to stop, the worker stops the job between forwards and
+    answers with the tokens computed: the row bills those, and no more are computed after."""
+    large = [[101, 2000 + i % 500, 102] for i in range(2048)]
+    before = tokens_embedded(layout, embedded)
+    leaving = post_and_keep_open(layout.url, {"model": embedded, "input": large}, key)
+    try:
+        layout.wait_for(lambda: tokens_embedded(layout, embedded) > before, "a first forward")
+    finally:
+        leaving.close()
+    [row] = finished_rows(1)
+    assert (row.status, row.error_code) == ("cancelled", "client_disconnected")
+    assert 0 < row.prompt_tokens < 3 * len(large)
+    layout.wait_for(lambda: not layout.running(embedded), "the worker to let go of it", 10)
+    assert tokens_embedded(layout, embedded) - before == row.prompt_tokens
 
 
 def test_a_worker_answers_bad_calls_with_errors_and_keeps_serving(layout, embedded):

@@ -11,6 +11,7 @@ from inference.api.responses import views
 from inference.api.responses.events import ResponseBuilder
 from inference.models import StoredResponse, UsageRecord
 from inference.services.responses import ResponseRun
+from inference.services.stored_responses import Conversation
 from tests.inference.services.test_execution import engine_failing_with, start_generation
 
 BODY = {"text": {"format": {"type": "text"}}}
@@ -19,7 +20,7 @@ BODY = {"text": {"format": {"type": "text"}}}
 async def run_for(monkeypatch, request_id, *, store=True):
     generation = await start_generation(monkeypatch, engine_failing_with("error"), request_id)
     builder = ResponseBuilder(views._response_object(f"resp_{request_id}", BODY, "m", store), {})
-    conversation = [{"id": "msg_1", "type": "message", "role": "user", "content": []}]
+    conversation = Conversation([{"id": "msg_1", "type": "message", "role": "user", "content": []}])
     run = ResponseRun(generation.execution.settlement.api_key, generation, conversation, store)
     return views._Run(run, builder)
 

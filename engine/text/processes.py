@@ -1,0 +1,253 @@
+"""Tokenizer work in worker processes that a deadline really stops.
+
+Rendering a prompt (Jinja, then the tokenizer) and encoding texts take time that grows with the
+input, and neither can be stopped on a thread: the tokenizers library encodes in one Rust call
+(about a microsecond a character here, GIL released), so a thread past its deadline would run
+on, holding a CPU, for as long as the text is long. So each job runs in a process of a small
+pool: a job past its deadline has its process killed (its CPU is free at once) and the caller
+gets InvalidRequestError; the call returns only once its job has really ended, so whoever
+counts the job (a slot, a queue) counts it until then. `num_running` says how many jobs are
+working now.
+
+Processes are spawned (a forked copy of a process that runs MLX and tokenizer threads is not
+safe), on first need: a process that never renders starts none, and a killed one is replaced by
+the next job that finds no idle process. A tokenizer crosses to a process once (pickled: ~12 MB
+and ~0.4 s for Qwen3's); each process keeps the last TOKENIZERS_PER_PROCESS it was sent. The
+deadline covers the job only, not a process's start or a tokenizer's arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from engine.protocol import EngineError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PROCESSES = 4
+NICENESS = 10
+TOKENIZERS_PER_PROCESS = 8
+# Tokenizers the parent knows by key (a key is never reused for another tokenizer).
+KNOWN_TOKENIZERS = 32
+# Pickled tokenizers kept to send to the next process that needs one: pickling holds the GIL
+# (~0.4 s for Qwen3's), so each tokenizer is pickled once, not once per process.
+PICKLED_TOKENIZERS = 4
+# A process's start (imports) and a tokenizer's arrival; neither counts against a job.
+SETUP_TIMEOUT_S = 120.0
+
+
+class WorkerFailed(EngineError):
+    """A tokenizer process failed in a way that is not the request's fault."""
+
+
+def _serve(conn) -> None:
+    """A worker process: tokenizers in, jobs run, results (or the error) out."""
+    tokenizers: collections.OrderedDict[int, Any] = collections.OrderedDict()
+    with contextlib.suppress(OSError):
+        # Below the engine and the web threads: a flood of long renders takes the CPU the
+        # decode steps leave, not theirs.
+        os.nice(NICENESS)
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if message[0] == "tokenizer":
+                _, key, blob, evict = message
+                for old in evict:
+                    tokenizers.pop(old, None)
+                tokenizers[key] = pickle.loads(blob)
+                conn.send(("ok", None))
+            else:
+                _, key, fn, args = message
+                conn.send(("ok", fn(tokenizers[key], *args)))
+        except InvalidRequestError as exc:
+            conn.send(("invalid", str(exc), exc.param, exc.code))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class _Worker:
+    def __init__(self, context) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(child,), daemon=True, name="orchard-tokenizer"
+        )
+        self.process.start()
+        child.close()
+        self.tokenizers: collections.OrderedDict[int, None] = collections.OrderedDict()
+        if self.reply(SETUP_TIMEOUT_S) is None:
+            self.kill()
+            raise WorkerFailed("A tokenizer process did not start in time.")
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def reply(self, timeout_s: float | None) -> tuple | None:
+        """The next message from the process; None if none came within `timeout_s`."""
+        if not self.conn.poll(timeout_s):
+            return None
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            raise WorkerFailed("A tokenizer process ended unexpectedly.") from None
+
+    def ensure_tokenizer(self, key: int, pickled: Callable[[], bytes]) -> None:
+        if key in self.tokenizers:
+            self.tokenizers.move_to_end(key)
+            return
+        evict = []
+        while len(self.tokenizers) >= TOKENIZERS_PER_PROCESS:
+            evict.append(self.tokenizers.popitem(last=False)[0])
+        self.conn.send(("tokenizer", key, pickled(), evict))
+        answer = self.reply(SETUP_TIMEOUT_S)
+        if answer is None or answer[0] != "ok":
+            raise WorkerFailed(f"A tokenizer could not be sent to its process: {answer}")
+        self.tokenizers[key] = None
+
+    def kill(self) -> None:
+        """Stop the process and wait until it is gone."""
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class TokenizerProcesses:
+    """At most `processes` jobs at once, each in a process of its own; more wait their turn
+    (first come, first served: callers that need fairness queue before this)."""
+
+    def __init__(self, processes: int = PROCESSES) -> None:
+        self._context = multiprocessing.get_context("spawn")
+        self._threads = ThreadPoolExecutor(max_workers=processes, thread_name_prefix="orchard-tok")
+        self._idle: list[_Worker] = []
+        self._keys: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
+        self._pickled: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._next_key = itertools.count(1)
+        self._lock = threading.Lock()
+        self._running = 0
+        self._closed = False
+
+    @property
+    def num_running(self) -> int:
+        """Jobs whose process is working on them now (a killed job counts until it is gone)."""
+        with self._lock:
+            return self._running
+
+    @property
+    def pids(self) -> list[int]:
+        """The idle processes' ids."""
+        with self._lock:
+            return [worker.pid for worker in self._idle if worker.pid is not None]
+
+    async def run(
+        self,
+        tokenizer: Any,
+        fn: Callable[..., T],
+        *args: Any,
+        timeout_s: float | None,
+        timeout_error: InvalidRequestError,
+    ) -> T:
+        """`fn(tokenizer, *args)` in a process (`fn` a module-level function); raises
+        `timeout_error` once a job past `timeout_s` has been stopped."""
+        job = functools.partial(self._run, tokenizer, fn, args, timeout_s, timeout_error)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, job)
+
+    def _run(self, tokenizer, fn, args, timeout_s, timeout_error):
+        key = self._key(tokenizer)
+        worker = self._take(key)
+        try:
+            worker.ensure_tokenizer(key, functools.partial(self._pickle, key, tokenizer))
+            with self._counted():
+                worker.conn.send(("run", key, fn, args))
+                answer = worker.reply(timeout_s)
+                if answer is None:
+                    worker.kill()  # inside the count: the job counts until its process is gone
+                    raise timeout_error
+        except BaseException:
+            if worker.process.is_alive():
+                worker.kill()
+            raise
+        self._put(worker)
+        if answer[0] == "ok":
+            return answer[1]
+        if answer[0] == "invalid":
+            raise InvalidRequestError(answer[1], param=answer[2], code=answer[3])
+        raise WorkerFailed(answer[1])
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        with self._lock:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _key(self, tokenizer: Any) -> int:
+        # By identity; the registry holds the tokenizer, so its id cannot be reused meanwhile.
+        with self._lock:
+            known = self._keys.get(id(tokenizer))
+            if known is None:
+                known = self._keys[id(tokenizer)] = (tokenizer, next(self._next_key))
+                while len(self._keys) > KNOWN_TOKENIZERS:
+                    self._keys.popitem(last=False)
+            self._keys.move_to_end(id(tokenizer))
+            return known[1]
+
+    def _pickle(self, key: int, tokenizer: Any) -> bytes:
+        with self._lock:
+            blob = self._pickled.get(key)
+            if blob is not None:
+                self._pickled.move_to_end(key)
+                return blob
+        blob = pickle.dumps(tokenizer)
+        with self._lock:
+            self._pickled[key] = blob
+            while len(self._pickled) > PICKLED_TOKENIZERS:
+                self._pickled.popitem(last=False)
+        return blob
+
+    def _take(self, key: int) -> _Worker:
+        """An idle process, one that has the tokenizer `key` if there is one; else a new one."""
+        with self._lock:
+            if self._closed:
+                raise WorkerFailed("The tokenizer processes are closed.")
+            for index in range(len(self._idle) - 1, -1, -1):
+                if key in self._idle[index].tokenizers:
+                    return self._idle.pop(index)
+            if self._idle:
+                return self._idle.pop()
+        return _Worker(self._context)
+
+    def _put(self, worker: _Worker) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(worker)
+                return
+        worker.kill()
+
+    def close(self) -> None:
+        """Stop the idle processes; a job still running stops its own when it ends."""
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for worker in idle:
+            worker.kill()
+        self._threads.shutdown(wait=False, cancel_futures=True)
