@@ -56,6 +56,8 @@ def loads(raw: bytes | str) -> Any:
     else:
         utf8 = json.detect_encoding(raw) == "utf-8"
         strings = not utf8 or _SURROGATE_SOURCE.search(raw) is not None
+        if not strings and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+            return value  # too few brackets to nest deeper than MAX_DEPTH
     _check(value, strings=strings)
     return value
 

@@ -77,6 +77,12 @@ def _checked(grammar: str, param: str) -> str:
 def json_schema_grammar(schema: Any, param: str) -> str:
     if not isinstance(schema, dict | bool):
         raise _refused(param, "the schema must be a JSON object.")
+    # The grammar holds the schema: one whose JSON alone passes the limit is refused before
+    # llguidance builds a grammar of it.
+    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+    limit = settings.ORCHARD_GRAMMAR_MAX_BYTES
+    if size > limit:
+        raise _refused(param, ERROR_TOO_LARGE.format(size=f"at least {size}", limit=limit))
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:

@@ -326,9 +326,7 @@ class EngineServer:
 
     async def _tokenize(self, args: dict) -> list[list[int]]:
         tokenizer = self.worker.embedder(args["model"]).tokenizer()
-        return await self.renderer.encode(
-            tokenizer, args["texts"], timeout_s=args.get("timeout_s")
-        )
+        return await self.renderer.encode(tokenizer, args["texts"], timeout_s=args.get("timeout_s"))
 
     async def _embed(self, args: dict) -> dict:
         """The vectors and the tokens computed; an `abort` naming the call's `request_id`

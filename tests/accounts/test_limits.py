@@ -318,9 +318,7 @@ async def test_an_entry_counts_the_request_and_holds_a_slot_but_no_tokens(
     make_limiter, sync_thread_db
 ):
     limiter = make_limiter()
-    api_key = await sync_to_async(ApiKeyFactory)(
-        rpm=3, tpm=1000, max_parallel=1, budget_tokens=100
-    )
+    api_key = await sync_to_async(ApiKeyFactory)(rpm=3, tpm=1000, max_parallel=1, budget_tokens=100)
     entered = await limiter.enter(api_key)
     assert entered.granted_tokens == 0
     assert entered.headers["x-ratelimit-remaining-requests"] == "2"

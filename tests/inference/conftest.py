@@ -1,10 +1,14 @@
 """Fixtures for the /v1 tests: keys, registered models and official OpenAI clients against the
 live daphne server, and the scripted daphne."""
 
+import time
+
 import openai
 import pytest
+from django.db.models import Sum
 
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
+from inference.models import DailyUsage
 from inference.services.registry import model_register
 from tests.fixtures.daphne import stop_daphne
 from tests.inference.api.responses.scripted import start_scripted
@@ -55,3 +59,14 @@ def scripted_url(django_db_setup, tmp_path_factory):
     process, url = start_scripted(tmp_path_factory.mktemp("scripted"))
     yield url
     stop_daphne(process)
+
+
+def refused_count(expected: int = 1) -> int:
+    """The refusals the day's roll-ups count, once the server has written `expected` of them
+    (it writes them within a second: inference/services/refusals.py)."""
+    deadline = time.monotonic() + 5
+    while True:
+        count = DailyUsage.objects.aggregate(n=Sum("num_rejected"))["n"] or 0
+        if count >= expected or time.monotonic() > deadline:
+            return count
+        time.sleep(0.05)

@@ -2,15 +2,13 @@
 non-streamed responses, and real concurrency against max_parallel."""
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
-from django.db.models import Sum
 
-from inference.models import DailyUsage, UsageRecord
-from tests.inference.conftest import TINY
+from inference.models import UsageRecord
+from tests.inference.conftest import TINY, refused_count
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 RATE_HEADERS = (
@@ -21,17 +19,6 @@ RATE_HEADERS = (
     "x-ratelimit-reset-requests",
     "x-ratelimit-reset-tokens",
 )
-
-
-def refused_count(expected: int = 1) -> int:
-    """The refusals the day's roll-ups count, once the server has written `expected` of them
-    (it writes them within a second: inference/services/refusals.py)."""
-    deadline = time.monotonic() + 5
-    while True:
-        count = DailyUsage.objects.aggregate(n=Sum("num_rejected"))["n"] or 0
-        if count >= expected or time.monotonic() > deadline:
-            return count
-        time.sleep(0.05)
 
 
 def client_for(live_server_url, key):
@@ -176,6 +163,7 @@ def test_a_tpm_below_the_context_admits_requests_without_max_tokens(
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(**kwargs)
     assert caught.value.code == "rate_limit_exceeded"
+    assert refused_count() == 1  # written: nothing is left to write as the test's data goes
 
 
 def test_a_budget_below_one_context_is_not_exhausted(live_server_url, make_key, tiny_models):
@@ -193,6 +181,7 @@ def test_a_budget_below_one_context_is_not_exhausted(live_server_url, make_key, 
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(model=TINY, messages=MESSAGES)
     assert caught.value.code == "insufficient_quota"
+    assert refused_count() == 1
 
 
 def test_a_limited_key_is_refused_before_its_prompt_is_rendered(
@@ -243,6 +232,7 @@ def test_bad_requests_and_token_counts_spend_the_keys_requests_too(
         )
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert refused_count() == 1
     answered = client_for(live_server_url, other).chat.completions.create(
         model=TINY, messages=MESSAGES, max_tokens=1
     )

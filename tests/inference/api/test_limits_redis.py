@@ -10,7 +10,7 @@ from asgiref.sync import sync_to_async
 
 from inference.models import DailyUsage, UsageRecord
 from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
-from tests.inference.conftest import TINY
+from tests.inference.conftest import TINY, refused_count
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -83,6 +83,7 @@ def test_max_parallel_holds_across_two_processes(two_servers, make_key, tiny_mod
     assert len(completed) == admitted
     assert {r.request_id for r in completed}  # rows from both processes land in one database
     assert peak_overlap(completed) <= 2
+    assert refused_count(20 - admitted) == 20 - admitted
 
 
 @pytest.mark.django_db(transaction=True)

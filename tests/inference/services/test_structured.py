@@ -118,6 +118,15 @@ def test_a_grammar_over_the_budget_is_refused_naming_the_limit_before_it_is_chec
     assert (error.status, error.param, error.code) == (400, "response_format", "invalid_grammar")
     assert "over the limit of 10000 bytes" in error.message
     assert checked == []
+    built = []
+    monkeypatch.setattr(
+        llguidance.LLMatcher,
+        "grammar_from_json_schema",
+        staticmethod(lambda schema, **options: built.append(schema) or ""),
+    )
+    with pytest.raises(APIError, match="at least"):
+        json_schema_grammar(schema, "response_format")
+    assert built == []  # a schema over the limit by itself is not even turned into a grammar
 
 
 def test_a_grammar_is_checked_once_whatever_the_number_of_requests(monkeypatch):
