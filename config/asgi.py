@@ -2,8 +2,10 @@
 ORCHARD_MAX_BODY_BYTES, or its route's own cap, is a 413 before Django reads it) to Django's own
 ASGI handler (it notices client disconnects while streaming and cancels the view, which aborts
 the generation), with each request's sync thread taken from a pool
-(common/request_threads.py); websockets (the live engine status) go to Channels with the
-session's user."""
+(common/request_threads.py): a key whose rpm refusal is held is answered before Django
+(inference/refused_keys.py), the /v1 routes a key authenticates go to a handler with the API's own
+middleware only, everything else to one with the pages' middleware. Websockets (the live engine
+status) go to Channels with the session's user."""
 
 import os
 
@@ -21,10 +23,41 @@ from django.urls import path, reverse  # noqa: E402
 
 from common.request_threads import PooledASGIHandler  # noqa: E402
 from inference.body_cap import BodyCapMiddleware  # noqa: E402
+from inference.refused_keys import RefusedKeyMiddleware  # noqa: E402
 from inference.web.consumers import StatusConsumer  # noqa: E402
 
+
+class KeyedAPIHandler(PooledASGIHandler):
+    """Django for the /v1 routes a key authenticates, with only the middleware they use
+    (settings.API_MIDDLEWARE). The pages' middleware (sessions, CSRF, signed-in users, messages,
+    frame options) runs synchronously: each is a hop to a thread and back, a dozen a request,
+    which an API request paid for nothing but latency."""
+
+    def load_middleware(self, is_async=False):
+        # Django builds the chain from settings.MIDDLEWARE: swapped for this call only, once,
+        # while this module loads (before anything serves).
+        pages = settings.MIDDLEWARE
+        settings.MIDDLEWARE = settings.API_MIDDLEWARE
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = pages
+
+
+pages_app = PooledASGIHandler()
+api_app = KeyedAPIHandler()
+
+
+async def by_route(scope, receive, send):
+    """/v1 by key to the API's handler; the usage API (which a signed-in team owner's session
+    may read), the pages, the admin and /metrics to the full one."""
+    path = scope["path"]
+    keyed = path.startswith("/v1/") and not path.startswith("/v1/organization/")
+    await (api_app if keyed else pages_app)(scope, receive, send)
+
+
 django_asgi_app = BodyCapMiddleware(
-    PooledASGIHandler(),
+    RefusedKeyMiddleware(by_route),
     max_bytes=settings.ORCHARD_MAX_BODY_BYTES,
     route_max_bytes={reverse("v1-embeddings"): settings.ORCHARD_MAX_EMBEDDINGS_BODY_BYTES},
 )

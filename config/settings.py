@@ -66,6 +66,8 @@ MIDDLEWARE = [
     "inference.middleware.OpenAIApiMiddleware",
     "inference.web.csp.ContentSecurityPolicyMiddleware",
 ]
+# The middleware of the /v1 routes a key authenticates (config/asgi.py): async only.
+API_MIDDLEWARE = ["inference.middleware.OpenAIApiMiddleware"]
 
 ROOT_URLCONF = "config.urls"
 LOGIN_URL = "web-login"

@@ -40,6 +40,7 @@ class OpenAIApiMiddleware:
             if allow:
                 response["Allow"] = allow
         response["x-request-id"] = request.orchard_request_id
+        response["X-Content-Type-Options"] = "nosniff"
         api_key = getattr(request, "orchard_api_key", None)
         if api_key is not None and not any(
             name.lower().startswith("x-ratelimit-") for name in response.headers

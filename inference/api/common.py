@@ -56,7 +56,10 @@ async def intake_for(
     admitted (inference/services/admission.py)."""
     api_key = await authenticate(request, x_api_key=x_api_key)
     async with request_intake(
-        api_key=api_key, request_id=request.orchard_request_id, endpoint=endpoint
+        api_key=api_key,
+        request_id=request.orchard_request_id,
+        endpoint=endpoint,
+        path=request.path,
     ) as intake:
         yield intake
 

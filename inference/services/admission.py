@@ -33,6 +33,7 @@ from engine import ModelLoadError
 from inference.errors import APIError, model_not_found
 from inference.models import ModelEntry
 from inference.services import metrics, prework
+from inference.services.held_refusals import refused_keys
 from inference.services.refusals import refusals
 from inference.services.registry import model_for_key
 from inference.services.settlement import Settlement
@@ -145,11 +146,14 @@ async def _release_after(
 
 @contextlib.asynccontextmanager
 async def request_intake(
-    *, api_key: ApiKey, request_id: str, endpoint: str
+    *, api_key: ApiKey, request_id: str, endpoint: str, path: str = ""
 ) -> AsyncIterator[Intake]:
-    """Let the request in (429 and nothing held if the key's limits refuse it); its slot is
-    given back when the block ends unless `Intake.reserve` handed it to a settlement."""
-    admission = await _limited(limits.enter(api_key), api_key=api_key, model="", endpoint=endpoint)
+    """Let the request in (429 and nothing held if the key's limits refuse it; a refusal for
+    the key's rpm is held for the route's `path`: inference/services/held_refusals.py); its slot
+    is given back when the block ends unless `Intake.reserve` handed it to a settlement."""
+    admission = await _limited(
+        limits.enter(api_key), api_key=api_key, model="", endpoint=endpoint, path=path
+    )
     intake = Intake(api_key=api_key, request_id=request_id, endpoint=endpoint, admission=admission)
     try:
         yield intake
@@ -161,11 +165,15 @@ def model_load_failed(entry: ModelEntry) -> APIError:
     return APIError(503, ERROR_LOAD_FAILED.format(name=entry.name), code=ModelLoadError.code)
 
 
-async def _limited(check: Awaitable[T], *, api_key: ApiKey, model: str, endpoint: str) -> T:
+async def _limited(
+    check: Awaitable[T], *, api_key: ApiKey, model: str, endpoint: str, path: str = ""
+) -> T:
     try:
         return await check
     except (limits.RateLimitExceeded, limits.LimiterUnavailable) as exc:
         _counted_refusal(api_key, model, endpoint, exc.code)
+        if path and isinstance(exc, limits.RateLimitExceeded):
+            refused_keys.remember(api_key, exc, path=path, endpoint=endpoint)
         if isinstance(exc, limits.LimiterUnavailable):
             logger.error("limits unavailable: %s", exc)
             raise APIError(503, limits.ERROR_UNAVAILABLE, code=exc.code) from None
