@@ -25,13 +25,10 @@ def validate_generation(
             f"This model serves at most {info.max_choices} choices per request (n={params.n}).",
             param="n",
         )
-    num_prompt = len(request.prompt_token_ids)
+    ids = request.prompt_token_ids
+    num_prompt = len(ids)
     if num_prompt == 0:
         raise InvalidRequestError(f"The {prompt_param} is empty.", param=prompt_param)
-    if any(not 0 <= t < info.vocab_size for t in request.prompt_token_ids):
-        raise InvalidRequestError(
-            f"The {prompt_param} has token ids outside the vocabulary.", param=prompt_param
-        )
     completion = params.max_tokens or 1
     needed = params.n * (num_prompt + completion)
     if info.max_request_tokens is not None and needed > info.max_request_tokens:
@@ -49,6 +46,12 @@ def validate_generation(
             "or completion.",
             param=prompt_param,
             code="context_length_exceeded",
+        )
+    # Last, once the prompt is known to fit (its length bounds this scan), and in C: this runs
+    # on the event loop.
+    if min(ids) < 0 or max(ids) >= info.vocab_size:
+        raise InvalidRequestError(
+            f"The {prompt_param} has token ids outside the vocabulary.", param=prompt_param
         )
 
 
