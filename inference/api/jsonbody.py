@@ -55,7 +55,9 @@ def loads(raw: bytes | str) -> Any:
         strings = True
     else:
         utf8 = json.detect_encoding(raw) == "utf-8"
-        strings = not utf8 or _SURROGATE_SOURCE.search(raw) is not None
+        # find() first: a scan for two fixed bytes is a fraction of the pattern's cost.
+        maybe = b"\\u" in raw or b"\xed" in raw
+        strings = not utf8 or (maybe and _SURROGATE_SOURCE.search(raw) is not None)
         if not strings and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
             return value  # too few brackets to nest deeper than MAX_DEPTH
     _check(value, strings=strings)
