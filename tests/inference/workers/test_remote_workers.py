@@ -100,8 +100,10 @@ def test_requests_go_to_the_least_loaded_worker(layout, key):
         return {w: (after[w] - before[w]) / 40 for w in after}
 
     layout.wait_for(lambda: sum(counted().values()) == 8, "both workers' beats to count")
-    # Each request went where the fewest were: an even split of a burst.
-    assert counted() == dict.fromkeys(workers, 4)
+    # Each request went where the fewest were: about an even split of a burst (the workers'
+    # beats, which count other processes' work, lag by up to a beat, so one may take two more).
+    split = counted()
+    assert sorted(split) == sorted(workers) and min(split.values()) >= 3, split
 
 
 def test_a_client_leaving_aborts_the_request_in_the_worker(layout, key):
