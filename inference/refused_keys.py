@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from inference.errors import APIError, error_response_for
+from inference.errors import ANTHROPIC_PREFIX, APIError, error_response_for
 from inference.middleware import new_request_id
 from inference.services import metrics
 from inference.services.held_refusals import Refusal, refused_keys
@@ -34,13 +34,14 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def _raw_key(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            parts = value.decode("latin-1").split()
-            if len(parts) == 2 and parts[0].lower() == "bearer":
-                return parts[1]
-        elif name == b"x-api-key":
-            return value.decode("latin-1").strip()
+    """The key the view would authenticate (inference/api/common.py `authenticate`): the
+    `x-api-key` header first on Anthropic's routes, else `Authorization: Bearer`."""
+    headers = dict(scope.get("headers", ()))
+    if scope["path"].startswith(ANTHROPIC_PREFIX) and headers.get(b"x-api-key"):
+        return headers[b"x-api-key"].decode("latin-1")
+    parts = headers.get(b"authorization", b"").decode("latin-1").split()
+    if len(parts) == 2 and parts[0].lower() == "bearer":
+        return parts[1]
     return None
 
 

@@ -35,6 +35,11 @@ def test_a_flooding_key_is_refused_before_django_and_another_team_is_answered(
             assert int(response.headers["retry-after"]) >= 1
             assert response.headers["x-ratelimit-limit-requests"] == "1"
             assert response.headers["x-request-id"].startswith("req_")
+        # The hold reads the key where the route's view would: OpenAI's routes take no x-api-key.
+        unauthenticated = http.post(
+            "/v1/chat/completions", json=body, headers={"x-api-key": flooding}
+        )
+        assert unauthenticated.status_code == 401
         # Held per route: /v1/models (no rpm of its own) still answers the flooding key.
         assert http.get("/v1/models", headers=auth).status_code == 200
         # Anthropic's route answers in Anthropic's shape, held or not.
