@@ -43,7 +43,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-blas bench-sgemm bench-attention clean
+.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-blas bench-sgemm bench-attention clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -116,6 +116,9 @@ bench-speculative: setup
 
 bench-isolation: setup
 	$(PY) bench/isolation.py
+
+bench-fairness: setup
+	$(PY) bench/fairness.py
 
 clean:
 	rm -rf $(VENV)

@@ -217,6 +217,13 @@ if min(ORCHARD_PREPARE_WORKERS, ORCHARD_PREPARE_PER_TEAM) < 1 or ORCHARD_PREPARE
         "ORCHARD_PREPARE_WORKERS and ORCHARD_PREPARE_PER_TEAM must be at least 1, "
         "ORCHARD_PREPARE_QUEUE_PER_TEAM at least 0."
     )
+# The engine's fair share between teams and service tiers (engine/core/fairness.py): off, the
+# engines admit in arrival order and never preempt. A tier below the top keeps at least this
+# share of a batch's rows while it has work, however busy the higher tiers are.
+ORCHARD_FAIR_SHARE = env_bool("ORCHARD_FAIR_SHARE", True)
+ORCHARD_TIER_MIN_SHARE = env_float("ORCHARD_TIER_MIN_SHARE", 0.1)
+if not 0 <= ORCHARD_TIER_MIN_SHARE < 1:
+    raise ImproperlyConfigured("ORCHARD_TIER_MIN_SHARE must be at least 0 and below 1.")
 # A structured-output grammar (from a JSON schema, a regex, Lark, or a forced tool call) larger
 # than this is refused with a 400 before it is compiled.
 ORCHARD_GRAMMAR_MAX_BYTES = env_int("ORCHARD_GRAMMAR_MAX_BYTES", 512 * 1024)

@@ -28,6 +28,7 @@ preload_blas()
 # isort: split
 from engine.client import EngineClient  # noqa: E402
 from engine.protocol import (  # noqa: E402
+    SERVICE_TIERS,
     EmbeddingInfo,
     EmbeddingLoadError,
     EmbeddingProgress,
@@ -47,6 +48,7 @@ from engine.protocol import (  # noqa: E402
     RenderedPrompt,
     RequestStatus,
     SamplingParams,
+    ServiceClass,
     TokenLogprob,
     TopLogprob,
     completion_budget,
@@ -90,6 +92,8 @@ __all__ = [
     "RenderedPrompt",
     "RequestStatus",
     "SamplingParams",
+    "SERVICE_TIERS",
+    "ServiceClass",
     "TokenLogprob",
     "TopLogprob",
     "completion_budget",

@@ -12,6 +12,7 @@ from collections import deque
 import mlx.core as mx
 
 from engine.core.draft_model import DraftModel, DraftModelError
+from engine.core.fairness import FairShare
 from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
 from engine.core.request import Emit
 from engine.core.runner import BatchRunner
@@ -71,12 +72,25 @@ class BatchedEngine(EngineLoop):
             prefix_cache=self.prefix_cache,
             memory=self.memory,
             speculator=self.speculator,
+            hybrid=self.layout is not None and self.layout.hybrid,
+            fairness=(
+                FairShare(
+                    max_num_seqs=min(self.spec.max_num_seqs, self.spec.max_num_batched_tokens),
+                    min_tier_share=self.spec.tier_min_share,
+                )
+                if self.spec.fair_share
+                else None
+            ),
         )
+        self.tenants: dict = {}
         hybrid = self.layout is not None and self.layout.hybrid
         self.runner = BatchRunner(self.loaded.model, self.prefix_cache, hybrid=hybrid)
 
     def prefill_chunk_tokens(self) -> int:
         return self.pacer.chunk_tokens
+
+    def fair_share_stats(self) -> tuple[int, dict]:
+        return self.scheduler.num_preemptions, self.tenants
 
     def draft_counts(self) -> tuple[int, int]:
         speculator = self.speculator
@@ -107,6 +121,7 @@ class BatchedEngine(EngineLoop):
             elif self._draining:
                 return
             self._publish(self.scheduler.num_waiting, self.scheduler.num_running_seqs)
+            self.tenants = self.scheduler.tenant_stats()  # a new dict: read by stats()
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         # All choices of a request run together, so more than the batch holds could never start.
@@ -115,8 +130,14 @@ class BatchedEngine(EngineLoop):
         return dataclasses.replace(info, max_choices=min(info.max_choices, rows))
 
     def step(self) -> None:
+        # The rows of a step already in flight cannot leave before it is collected.
+        self.scheduler.allow_preemption = not self.runner.running_ahead
         plan = self.scheduler.schedule()
         started_at = time.perf_counter()  # drafting is part of what a step with drafts costs
+        if plan.preempted:
+            self.runner.preempt(plan.preempted)
+            if self.speculator is not None:
+                self._forget(plan.preempted)
         if self.runner.running_ahead:
             plan.drafts, plan.draft_lengths = {}, {}  # this step's decode already runs
         if plan.draft_lengths:
@@ -141,6 +162,7 @@ class BatchedEngine(EngineLoop):
                     time.perf_counter() - started_at,
                 )
         _advance(plan)
+        self.scheduler.account(sampled)
         for item in sampled:
             if item.seq.status.is_finished:
                 continue  # its request failed on an earlier choice in this step
@@ -211,11 +233,9 @@ class BatchedEngine(EngineLoop):
             self.prefix_cache.unlock(hit)
 
     def close(self, status: RequestStatus, error: str | None) -> None:
-        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+        for request in self.scheduler.clear():
             self._drop_hit(request)
             self.finish(request, status, error)
-        self.scheduler.running.clear()
-        self.scheduler.waiting.clear()
         self.end_inbox(status, error)
         self._publish(0, 0)
         self.runner.reset()

@@ -165,8 +165,11 @@ class EngineLoop:
         # Plain ints written by the engine thread: a snapshot a moment old at worst.
         cache = self.prefix_cache.stats().to_dict() if self.prefix_cache is not None else {}
         drafted, accepted = self.draft_counts()
+        preemptions, tenants = self.fair_share_stats()
         return dataclasses.replace(
             stats,
+            num_preemptions=preemptions,
+            tenants=tenants,
             num_draft_tokens=drafted,
             num_accepted_draft_tokens=accepted,
             num_cached_prompt_tokens=cache.get("hit_tokens", 0),
@@ -178,6 +181,10 @@ class EngineLoop:
     def prefill_chunk_tokens(self) -> int:
         """Prefill tokens per step while others decode (0: no limit)."""
         return 0
+
+    def fair_share_stats(self) -> tuple[int, dict]:
+        """Preemptions since load, and the per-tenant counts of engine/core/fairness.py."""
+        return 0, {}
 
     def draft_counts(self) -> tuple[int, int]:
         """Speculative decoding's draft tokens checked and accepted (engine/core/speculative.py)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.protocol import GenerationOutput, GenerationRequest, RequestStatus
+from engine.protocol import GenerationOutput, GenerationRequest, RequestStatus, ServiceClass
 
 Emit = Callable[[GenerationOutput], None]
 
@@ -46,7 +46,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.request.num_prompt_tokens
+        return self.num_computed_tokens < self.request.num_prefill_tokens
 
     def token_at(self, position: int) -> int:
         prompt = self.request.prompt_token_ids
@@ -55,7 +55,7 @@ class Sequence:
         return self.output_token_ids[position - len(prompt)]
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A `GenerationRequest` admitted to an engine, with its `n` sequences."""
 
@@ -70,6 +70,11 @@ class Request:
     # the request's cache from it and drops it.
     prefix_hit: Any = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache provided
+    # A preempted request (engine/core/scheduler.py) resumes by prefilling its prompt and the
+    # tokens it had generated (`resumed_token_ids`, of its one sequence): that computes its
+    # cache again, or finds it in the prefix cache, where preemption left it.
+    resumed_token_ids: tuple[int, ...] = ()
+    num_preemptions: int = 0
 
     @property
     def request_id(self) -> str:
@@ -82,6 +87,28 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.spec.prompt_token_ids)
+
+    @property
+    def prefill_token_ids(self) -> tuple[int, ...]:
+        """What its cache must hold before it decodes: the prompt (and, resumed after a
+        preemption, the tokens it had generated)."""
+        if self.resumed_token_ids:
+            return self.spec.prompt_token_ids + self.resumed_token_ids
+        return self.spec.prompt_token_ids
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.spec.prompt_token_ids) + len(self.resumed_token_ids)
+
+    @property
+    def service(self) -> ServiceClass:
+        return self.spec.service
+
+    @property
+    def can_resume(self) -> bool:
+        """Whether it can be preempted and resumed: one sequence, or none of its sequences
+        has generated anything yet (they all resume from the prompt)."""
+        return len(self.sequences) == 1 or not any(seq.output_token_ids for seq in self.sequences)
 
     @property
     def cache_scope(self) -> str:

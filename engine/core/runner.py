@@ -103,6 +103,29 @@ class BatchRunner:
         """Whether the next step's decode is already in flight (then it cannot take drafts)."""
         return self._ahead is not None
 
+    def preempt(self, requests: list[Request]) -> None:
+        """Take preempted requests out (engine/core/scheduler.py): what each computed goes to
+        the prefix cache, where its return finds it, and its rows or prefill cache go."""
+        assert self._ahead is None, "no preemption while running ahead"
+        gone = set()
+        for request in requests:
+            cache = self._prefill_caches.pop(request.request_id, None)
+            lead = request.sequences[0]
+            if cache is not None:
+                self._remember(
+                    request, request.prefill_token_ids[: lead.num_computed_tokens], cache
+                )
+                continue
+            gone |= {id(seq) for seq in request.sequences}
+        keep = []
+        for row, seq in enumerate(self._rows):
+            if id(seq) not in gone:
+                keep.append(row)
+            elif self.prefix_cache is not None:
+                tokens = seq.request.prompt_token_ids + tuple(seq.output_token_ids)
+                self._remember(seq.request, tokens[: seq.num_computed_tokens], self._cache, row)
+        self._keep_rows(keep)
+
     def release(self, request_id: str) -> None:
         """Forget a request's prefill cache (aborted before its prompt was done)."""
         self._prefill_caches.pop(request_id, None)
@@ -140,9 +163,12 @@ class BatchRunner:
         decode step of the same rows (see the class docstring)."""
         # Rows are keyed by sequence: the batch keeps its own row order (prompts that prefill
         # together join after those that prefill alone), the plan lists the scheduler's.
-        assert {id(seq) for seq in self._rows} == {id(seq) for seq in plan.decode}, (
+        # An empty decode with rows: the scheduler paused them for this step's prefill.
+        paused = bool(self._rows) and not plan.decode
+        assert paused or {id(seq) for seq in self._rows} == {id(seq) for seq in plan.decode}, (
             "rows out of sync"
         )
+        assert not (paused and self._ahead is not None), "a step in flight cannot pause"
         started = time.perf_counter()
         done = self._prefill(plan)
         self.prefill_seconds = None
@@ -173,7 +199,7 @@ class BatchRunner:
                 rows = list(self._rows)
                 verify = decode_drafts(self._last_logits, rows, self._cache, plan.drafts)
                 verified = accept_drafts(verify, self._cache, plan.accepted)
-            elif self._rows:
+            elif self._rows and not paused:
                 batches.append((list(self._rows), decode(self.model, self._rows, self._cache, 0)))
         # Prompts whose last token went through their prefill: their first token is sampled,
         # and they decode from the next step on.
@@ -185,9 +211,13 @@ class BatchRunner:
             return verified + collect(batches)
         if not batches:
             return []
-        if run_ahead and not any(
-            seq.constraint is not None or seq.sampling_state.depends_on_history
-            for seq in self._rows
+        if (
+            run_ahead
+            and not paused
+            and not any(
+                seq.constraint is not None or seq.sampling_state.depends_on_history
+                for seq in self._rows
+            )
         ):
             self._ahead = (list(self._rows), self._decode_ahead(batches))
         return collect(batches, keep={id(seq) for seq in self._rows})
@@ -222,7 +252,7 @@ class BatchRunner:
             if cache is None:
                 cache = self._prefill_caches[request.request_id] = self._start(request)
             end = chunk.start + chunk.num_tokens
-            prompt = request.prompt_token_ids
+            prompt = request.prefill_token_ids
             if not chunk.completes_prompt:
                 prefill(self.model, cache, prompt[chunk.start : end])
                 if end in request.checkpoints:
@@ -258,9 +288,10 @@ class BatchRunner:
 
     def _start(self, request: Request) -> Cache:
         hit, request.prefix_hit = request.prefix_hit, None
-        if hit is not None:
+        if hit is not None and not request.num_preemptions:
+            # (A resumed request finds its own state: not what `cached_tokens` reports.)
             request.num_cached_tokens = hit.length
-        room = request.num_prompt_tokens - (hit.length if hit is not None else 0)
+        room = request.num_prefill_tokens - (hit.length if hit is not None else 0)
         return start_cache(self.model, self.prefix_cache, hit, room)
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> tuple[Cache, mx.array | None]:
@@ -276,9 +307,9 @@ class BatchRunner:
         for request in requests:
             cache = self._prefill_caches.pop(request.request_id, None)
             caches.append(cache if cache is not None else self._start(request))
-        ends = [len(request.prompt_token_ids) - cut for request in requests]
+        ends = [request.num_prefill_tokens - cut for request in requests]
         bodies = [
-            chunk.request.prompt_token_ids[chunk.start : end]
+            chunk.request.prefill_token_ids[chunk.start : end]
             for chunk, end in zip(chunks, ends, strict=True)
         ]
         lengths = [len(body) for body in bodies]
@@ -297,7 +328,7 @@ class BatchRunner:
             for layer in cache:
                 layer.finalize()
         for row, (request, end) in enumerate(zip(requests, ends, strict=True)):
-            self._remember(request, request.prompt_token_ids[:end], cache, row)
+            self._remember(request, request.prefill_token_ids[:end], cache, row)
         rows = [i for i, request in enumerate(requests) for _ in request.live_sequences()]
         if len(rows) > len(requests):  # n > 1: every choice gets its own copy of the rows
             for layer in cache:

@@ -25,18 +25,32 @@ arrival order while sequence slots and memory remain.
 - Memory: a batch holds every row at the length of its longest one, so admission waits while
   rows × longest × bytes per token (plus recurrent state per row) would not fit beside the
   prefix cache, evicting cache entries first.
+- Fair share and tiers (engine/core/fairness.py, with `fairness`; without it, arrival order):
+  the waiting request admitted next is the one of the highest tier, then of the tenant (team)
+  and principal (key) that received the least weighted service; prefill chunks of running
+  requests go in the same order (a lower tier is guaranteed a share of each step's budget).
+  Preemption: when the next request cannot be admitted (rows or memory), running requests of
+  a lower tier, or of a tenant holding more than its fair rows of the same tier while the
+  waiting one's tenant holds fewer, are preempted: taken out of the batch (the runner keeps
+  what they computed in the prefix cache) and queued again with what they generated, which
+  they prefill on their return (found in the prefix cache, or recomputed), so their output
+  continues token for token. Never while the runner runs ahead. A step that prefills a
+  higher tier than every decoding row's pauses their decode (`_pause_lower_tiers`), so the
+  higher tier's first token does not wait for a full batch's decode step.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.cache.budget import MemoryBudget
 from engine.cache.prefix import PrefixCache
+from engine.core.fairness import FairShare, TenantStats, fair_rows
 from engine.core.request import Request, Sequence
 from engine.core.speculative import Speculator
-from engine.protocol import RequestStatus
+from engine.protocol import SERVICE_TIERS, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,7 @@ class PrefillChunk:
 
     @property
     def completes_prompt(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_prompt_tokens
+        return self.start + self.num_tokens == self.request.num_prefill_tokens
 
 
 @dataclass
@@ -63,6 +77,9 @@ class SchedulerOutput:
     # With a draft model: the rows it drafts for this step and how far, by id(seq); the
     # engine fills `drafts` from it before the runner runs the step.
     draft_lengths: dict[int, int] = field(default_factory=dict)
+    # Requests taken out of the batch this step, queued again (the runner keeps their state in
+    # the prefix cache and drops their rows before it runs the step).
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -85,6 +102,8 @@ class Scheduler:
         memory: MemoryBudget | None = None,
         admission_chunk_tokens: int | None = None,
         speculator: Speculator | None = None,
+        fairness: FairShare | None = None,
+        hybrid: bool = False,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             # Every running sequence must be able to decode each step.
@@ -99,6 +118,12 @@ class Scheduler:
         self.speculator = speculator
         self.prefix_cache = prefix_cache
         self.memory = memory
+        self.fairness = fairness
+        # Cleared by the engine while the runner runs ahead (its rows are already in flight).
+        self.allow_preemption = True
+        self.num_preemptions = 0
+        self.hybrid = hybrid  # recurrent layers: see _pause_lower_tiers
+        self._paused = False  # the last step paused the decode for a higher tier's prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -117,9 +142,14 @@ class Scheduler:
         if len(request.sequences) > self.max_num_seqs:
             raise ValueError("a request cannot have more sequences than max_num_seqs")
         self.waiting.append(request)
+        if self.fairness is not None:
+            self.fairness.arrive(request)
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        turns = _Turns(self) if self.fairness is not None and self.waiting else None
+        if turns is not None and self.allow_preemption:
+            self._make_room(output, turns)
         budget = self.max_num_batched_tokens
         for request in self.running:
             for seq in request.live_sequences():
@@ -145,35 +175,217 @@ class Scheduler:
         elif output.decode and self.prefill_chunk_tokens:
             budget = min(budget, self.prefill_chunk_tokens)
 
-        for request in self.running:
+        prefilling = self._prefill_order()
+        if turns is not None and prefilling:
+            # A higher tier than every running prompt's is admitted before their chunks.
+            above = min(request.service.rank for request, _ in prefilling)
+            budget = self._admit(output, budget, turns, burst, above=above)
+        for request, limit in prefilling:
             if budget == 0:
                 break
-            chunk = self._chunk(request, budget)
+            if any(chunk.request is request for chunk in output.prefill):
+                continue
+            chunk = self._chunk(request, min(budget, limit))
             if chunk:
                 output.prefill.append(chunk)
                 budget -= chunk.num_tokens
+        self._admit(output, budget, turns, burst)
+        if turns is not None or self._paused:
+            self._pause_lower_tiers(output)
+        return output
 
+    def _pause_lower_tiers(self, output: SchedulerOutput) -> None:
+        """A step that prefills a higher tier than every decoding row's runs that prefill
+        alone: the rows wait the step (on the CPU a decode step of a full batch costs several
+        times a short prompt's prefill, and the higher tier's first token would wait for it).
+        Never two steps running, so the lower tiers still advance at least every other step;
+        never while running ahead, nor (on a hybrid model) where a prompt completes, whose
+        last token goes in with the decode step (engine/core/runner.py)."""
+        if self._paused or not output.decode or not output.prefill or not self.allow_preemption:
+            self._paused = False
+            return
+        top = min(chunk.request.service.rank for chunk in output.prefill)
+        if any(seq.request.service.rank <= top for seq in output.decode):
+            return
+        chunks = [c for c in output.prefill if c.request.service.rank == top]
+        if self.hybrid and any(chunk.completes_prompt for chunk in chunks):
+            return
+        output.decode, output.drafts, output.draft_lengths = [], {}, {}
+        output.prefill = chunks  # lower tiers' chunks come in later steps
+        self._paused = True
+
+    def _admit(
+        self,
+        output: SchedulerOutput,
+        budget: int,
+        turns: _Turns | None,
+        burst: bool,
+        above: int | None = None,
+    ) -> int:
+        """Admit waiting requests in turn (those of a tier above rank `above` only, if set)
+        while rows, memory and the step's token budget last; returns the budget left."""
         num_seqs = self.num_running_seqs
+        just_preempted = {id(request) for request in output.preempted}
         while self.waiting and budget > 0:
-            request = self.waiting[0]
+            request = self.waiting[0] if turns is None else turns.pick(self.waiting)
+            if above is not None and request.service.rank >= above:
+                break
+            if id(request) in just_preempted:
+                break  # its state reaches the prefix cache only when the runner has run
             if num_seqs + len(request.sequences) > self.max_num_seqs:
-                break  # first come, first served: nobody overtakes the head of the queue
+                break  # nobody overtakes the one whose turn it is
             if not self._fits(request, num_seqs):
                 break
-            if burst and output.prefill and request.num_prompt_tokens > budget:
+            if burst and output.prefill and request.num_prefill_tokens > budget:
                 # Whole prompts while a burst is admitted: those that complete in one step
                 # are prefilled as one batch (engine/core/runner.py), a split one alone twice.
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
             for seq in request.sequences:
                 seq.status = RequestStatus.RUNNING
             num_seqs += len(request.sequences)
+            if turns is not None:
+                turns.rows.add(request, len(request.sequences))
             self._match(request)
+            if self.fairness is not None and not request.num_preemptions:
+                uncached = request.num_prompt_tokens - request.sequences[0].num_computed_tokens
+                self.fairness.charge_prefill(request, uncached)
             chunk = self._chunk(request, budget)
             output.prefill.append(chunk)
             budget -= chunk.num_tokens
-        return output
+        return budget
+
+    def account(self, sampled) -> None:
+        """After a step: charge each generated token to its request's tenant."""
+        if self.fairness is not None:
+            for item in sampled:
+                self.fairness.charge_decode(item.seq.request, 1)
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant: requests waiting, rows running, tokens served (fairness.TenantStats)."""
+        stats: dict[str, list[int]] = {}
+        for request in self.waiting:
+            stats.setdefault(request.service.tenant, [0, 0])[0] += 1
+        for request in self.running:
+            stats.setdefault(request.service.tenant, [0, 0])[1] += len(request.live_sequences())
+        served = self.fairness.served if self.fairness is not None else {}
+        return {
+            tenant: TenantStats(*stats.get(tenant, (0, 0)), *served.get(tenant, (0, 0))).to_dict()
+            for tenant in {*stats, *served}
+        }
+
+    def _prefill_order(self) -> list[tuple[Request, int]]:
+        """Running requests still prefilling, each with the most tokens it may take first:
+        arrival order, or with fair share, by turn, where the first of each lower tier has
+        `min_tier_share` of the budget before the higher tiers' turns."""
+        prefilling = [r for r in self.running if r.sequences[0].is_prefilling]
+        unlimited = self.max_num_batched_tokens
+        if self.fairness is None or len(prefilling) < 2:
+            return [(request, unlimited) for request in prefilling]
+        prefilling.sort(key=self.fairness.order)
+        top = prefilling[0].service.rank
+        share = self.fairness.min_tier_share
+        reserve = max(1, math.ceil(share * self.max_num_batched_tokens)) if share else 0
+        first_of_tier: dict[int, Request] = {}
+        for request in prefilling:
+            first_of_tier.setdefault(request.service.rank, request)
+        lower = [r for rank, r in first_of_tier.items() if rank > top] if reserve else []
+        order = [(request, reserve) for request in lower]
+        order += [(r, unlimited) for r in prefilling if not any(r is x for x in lower)]
+        return order
+
+    # -- preemption ------------------------------------------------------------------------
+
+    MAX_ROOM_PER_STEP = 8  # waiting requests a step makes room for
+
+    def _make_room(self, output: SchedulerOutput, turns: _Turns) -> None:
+        """Preempt running requests for waiting ones that cannot be admitted (module docs)."""
+        rows = turns.rows.copy()
+        pending = list(self.waiting)
+        victims: list[Request] = []
+        for _ in range(self.MAX_ROOM_PER_STEP):
+            candidate = turns.pick(pending, rows) if pending else None
+            if candidate is None:
+                break
+            pending.remove(candidate)
+            need = len(candidate.sequences)
+            if rows.total + need <= self.max_num_seqs and self._fits(
+                candidate, rows.total, excluding=victims
+            ):
+                rows.add(candidate, need)  # its turn comes without preempting anyone
+                continue
+            chosen = self._victims(candidate, rows, turns.alloc, victims)
+            if chosen is None:
+                break  # nobody overtakes the one whose turn it is
+            for victim in chosen:
+                rows.add(victim, -len(victim.live_sequences()))
+                victims.append(victim)
+            rows.add(candidate, need)
+        for victim in victims:
+            turns.rows.add(victim, -len(victim.live_sequences()))
+            self._preempt(victim, output)
+
+    def _victims(
+        self,
+        candidate: Request,
+        rows: _Rows,
+        allocations: dict[str, dict[str, float]],
+        taken: list[Request],
+    ) -> list[Request] | None:
+        """Running requests whose preemption lets `candidate` in, or None if none would."""
+        fairness = self.fairness
+        service = candidate.service
+        need = len(candidate.sequences)
+        running = [r for r in self.running if r.can_resume and not any(r is t for t in taken)]
+        lower = sorted(
+            (r for r in running if r.service.rank > service.rank),
+            key=lambda r: (-r.service.rank, -fairness.counter(r.service.tenant), -r.arrived_at),
+        )
+        # The same tier: tenants over their fair rows, for a tenant under its own.
+        alloc = allocations[service.tier]
+        held = rows.by_tenant[service.tier]
+        same: list[Request] = []
+        if held.get(service.tenant, 0) + need <= math.ceil(alloc.get(service.tenant, 0)):
+            same = sorted(
+                (
+                    r
+                    for r in running
+                    if r.service.tier == service.tier and r.service.tenant != service.tenant
+                ),
+                key=lambda r: (
+                    -(held[r.service.tenant] - alloc.get(r.service.tenant, 0)) / r.service.weight,
+                    -r.arrived_at,
+                ),
+            )
+        trial = rows.copy()
+        chosen: list[Request] = []
+        for victim in [*lower, *same]:
+            n = len(victim.live_sequences())
+            tier, tenant = victim.service.tier, victim.service.tenant
+            if victim.service.rank > service.rank:
+                if fairness.protected(tier, trial.by_tier, n):
+                    continue
+            elif trial.by_tenant[tier].get(tenant, 0) - n < alloc.get(tenant, 0):
+                continue
+            chosen.append(victim)
+            trial.add(victim, -n)
+            if trial.total + need <= self.max_num_seqs and self._fits(
+                candidate, trial.total, excluding=[*taken, *chosen]
+            ):
+                return chosen
+        return None
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.running.remove(request)
+        if len(request.sequences) == 1:
+            request.resumed_token_ids = tuple(request.sequences[0].output_token_ids)
+        for seq in request.live_sequences():
+            seq.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(request)
+        output.preempted.append(request)
 
     def _num_prefilling(self) -> int:
         running = sum(1 for request in self.running if request.sequences[0].is_prefilling)
@@ -184,30 +396,34 @@ class Scheduler:
         for request in [*self.running, *self.waiting]:
             lead = request.sequences[0]
             if lead.is_prefilling:
-                return request.num_prompt_tokens - lead.num_computed_tokens
+                return request.num_prefill_tokens - lead.num_computed_tokens
         return 0
 
     def _match(self, request: Request) -> None:
         if self.prefix_cache is None:
+            for seq in request.sequences:
+                seq.num_computed_tokens = 0  # a preempted request computes its cache again
             return
         hit = self.prefix_cache.match(
-            request.prompt_token_ids,
-            limit=request.num_prompt_tokens - 1,
+            request.prefill_token_ids,
+            limit=request.num_prefill_tokens - 1,
             scope=request.cache_scope,
         )
         if hit.length:
             self.prefix_cache.lock(hit)  # until the runner has seeded the request's cache
             request.prefix_hit = hit
-            for seq in request.sequences:
-                seq.num_computed_tokens = hit.length
+        for seq in request.sequences:
+            seq.num_computed_tokens = hit.length
 
-    def _fits(self, request: Request, num_seqs: int) -> bool:
-        """Whether admitting `request` keeps the batch and the prefix cache within memory;
-        cache entries are evicted first. With nothing running a request is always admitted:
-        validation refused the ones that can never fit."""
-        if self.memory is None or not self.running:
+    def _fits(self, request: Request, num_seqs: int, excluding: list[Request] = ()) -> bool:
+        """Whether admitting `request` keeps the batch and the prefix cache within memory
+        (without the running requests `excluding`); cache entries are evicted first. With
+        nothing running a request is always admitted: validation refused the ones that can
+        never fit."""
+        running = [r for r in self.running if not any(r is x for x in excluding)]
+        if self.memory is None or not running:
             return True
-        longest = max(r.num_prompt_tokens + r.max_tokens for r in [*self.running, request])
+        longest = max(r.num_prompt_tokens + r.max_tokens for r in [*running, request])
         need = self.memory.need(num_seqs + len(request.sequences), longest)
         cached = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
         over = need + cached - self.memory.max_bytes
@@ -234,7 +450,7 @@ class Scheduler:
         if not lead.is_prefilling:
             return None
         start = lead.num_computed_tokens
-        end = min(request.num_prompt_tokens, start + budget)
+        end = min(request.num_prefill_tokens, start + budget)
         # End at the next checkpoint, so its state can be kept there.
         end = next((c for c in request.checkpoints if start < c < end), end)
         return PrefillChunk(request, start, end - start)
@@ -245,6 +461,8 @@ class Scheduler:
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
+                    if self.fairness is not None:
+                        self.fairness.leave(request)
                     return request
         return None
 
@@ -252,4 +470,85 @@ class Scheduler:
         finished = [request for request in self.running if request.is_finished]
         if finished:
             self.running = [request for request in self.running if not request.is_finished]
+            if self.fairness is not None:
+                for request in finished:
+                    self.fairness.leave(request)
         return finished
+
+    def clear(self) -> list[Request]:
+        """Take every request out (the engine is closing); returns them."""
+        requests = [*self.running, *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        if self.fairness is not None:
+            for request in requests:
+                self.fairness.leave(request)
+        return requests
+
+
+def _rank(tier: str) -> int:
+    return SERVICE_TIERS.index(tier)
+
+
+class _Turns:
+    """Whose turn it is, for one step's admissions: a lower tier under its guaranteed rows
+    first, then by tier; within a tier, tenants under their fair rows (engine/core/fairness.py
+    `fair_rows`, from the rows running and the requests waiting) before those at or over
+    them, then by the fair-share counters."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.fairness = scheduler.fairness
+        self.rows = _Rows(scheduler.running)
+        demands: dict[str, Counter[str]] = {tier: Counter() for tier in SERVICE_TIERS}
+        weights: dict[str, float] = {}
+        queued = [(r, len(r.sequences)) for r in scheduler.waiting]
+        for request, n in [*((r, len(r.live_sequences())) for r in scheduler.running), *queued]:
+            service = request.service
+            demands[service.tier][service.tenant] += n
+            weights[service.tenant] = service.weight
+        self.alloc: dict[str, dict[str, float]] = {}
+        room = scheduler.max_num_seqs
+        for tier in SERVICE_TIERS:
+            self.alloc[tier] = fair_rows(demands[tier], weights, room)
+            room = max(0, room - sum(demands[tier].values()))
+
+    def pick(self, pending, rows: _Rows | None = None) -> Request:
+        rows = rows or self.rows
+        fairness = self.fairness
+        guaranteed = fairness.guaranteed_rows
+        starved = [
+            r
+            for r in pending
+            if r.service.rank > 0 and rows.by_tier.get(r.service.tier, 0) < guaranteed
+        ]
+
+        def turn(request: Request) -> tuple:
+            service = request.service
+            held = rows.by_tenant[service.tier].get(service.tenant, 0)
+            at_share = held >= math.ceil(self.alloc[service.tier].get(service.tenant, 0))
+            return (service.rank, at_share, *fairness.order(request)[1:])
+
+        return min(starved or pending, key=turn)
+
+
+class _Rows:
+    """Rows of the batch by tier and by (tier, tenant), as admission plans change them."""
+
+    def __init__(self, running: list[Request] = ()):
+        self.total = 0
+        self.by_tier: Counter[str] = Counter()
+        self.by_tenant: dict[str, Counter[str]] = {tier: Counter() for tier in SERVICE_TIERS}
+        for request in running:
+            self.add(request, len(request.live_sequences()))
+
+    def add(self, request: Request, n: int) -> None:
+        self.total += n
+        self.by_tier[request.service.tier] += n
+        self.by_tenant[request.service.tier][request.service.tenant] += n
+
+    def copy(self) -> _Rows:
+        rows = _Rows()
+        rows.total = self.total
+        rows.by_tier = Counter(self.by_tier)
+        rows.by_tenant = {tier: Counter(c) for tier, c in self.by_tenant.items()}
+        return rows

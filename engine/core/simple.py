@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from engine.core.fairness import FairShare
 from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
 from engine.core.request import Request
 from engine.core.runner import SequenceRunner
@@ -27,13 +28,17 @@ class SimpleEngine(EngineLoop):
         self.runner = SequenceRunner(self.loaded.model, self.prefix_cache, hybrid=hybrid)
         self._pending: deque[Request] = deque()
         self._stopping = False
+        # The next request is the fair share's turn (engine/core/fairness.py), else the oldest.
+        self.fairness = (
+            FairShare(max_num_seqs=1, min_tier_share=0.0) if self.spec.fair_share else None
+        )
 
     def run(self) -> None:
         while not self._stopping and not (self._draining and not self._pending):
             self._poll(current=None, block=not self._pending)
             if self._stopping or not self._pending:
                 continue
-            request = self._pending.popleft()
+            request = self._next()
             self._publish(len(self._pending), len(request.sequences))
             for seq in request.sequences:
                 seq.status = RequestStatus.RUNNING
@@ -42,7 +47,16 @@ class SimpleEngine(EngineLoop):
             except Exception as exc:
                 logger.exception("request %s failed", request.request_id)
                 self.finish(request, RequestStatus.FINISHED_ERROR, describe(exc))
+            if self.fairness is not None:
+                self.fairness.leave(request)
             self._publish(len(self._pending), 0)
+
+    def _next(self) -> Request:
+        if self.fairness is None:
+            return self._pending.popleft()
+        request = min(self._pending, key=self.fairness.order)
+        self._pending.remove(request)
+        return request
 
     def generate(self, request: Request) -> None:
         """Run a request to its end, its choices one after another; aborts checked per token."""
@@ -50,7 +64,11 @@ class SimpleEngine(EngineLoop):
             # Each choice after the first finds the prompt in the prefix cache.
             cache, first = self.runner.prefill(seq, self.spec.max_num_batched_tokens)
             seq.num_computed_tokens = request.num_prompt_tokens - (0 if first else 1)
-            self._meter.num_prompt_tokens += request.num_prompt_tokens - request.num_cached_tokens
+            uncached = request.num_prompt_tokens - request.num_cached_tokens
+            self._meter.num_prompt_tokens += uncached
+            if self.fairness is not None:
+                self.fairness.charge_prefill(request, uncached)
+                self.fairness.charge_decode(request, len(first))
             for sampled in first:
                 self.accept(sampled)
             while not seq.status.is_finished:
@@ -59,6 +77,8 @@ class SimpleEngine(EngineLoop):
                     return
                 (sampled,) = self.runner.step(cache, [seq])
                 seq.num_computed_tokens += 1
+                if self.fairness is not None:
+                    self.fairness.charge_decode(request, 1)
                 self.accept(sampled)
             self.runner.finished(seq, cache)
 
@@ -77,6 +97,8 @@ class SimpleEngine(EngineLoop):
                 request = self.admit(payload)
                 if request is not None:
                     self._pending.append(request)
+                    if self.fairness is not None:
+                        self.fairness.arrive(request)
             elif current is not None and payload == current.request_id:
                 stop_current = True
             else:
@@ -88,6 +110,8 @@ class SimpleEngine(EngineLoop):
         for request in self._pending:
             if request.request_id == request_id:
                 self._pending.remove(request)
+                if self.fairness is not None:
+                    self.fairness.leave(request)
                 self.finish(request, RequestStatus.FINISHED_ABORTED)
                 return
 

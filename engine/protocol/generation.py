@@ -194,6 +194,47 @@ class RenderedPrompt:
     tail_text: str = ""
 
 
+# Service tiers, highest first (OpenAI's `service_tier` values; engine/core/fairness.py).
+SERVICE_TIERS = ("priority", "default", "flex")
+
+
+@dataclass(frozen=True)
+class ServiceClass:
+    """Whom a request is served for and how urgently: the scheduler's fair share
+    (engine/core/fairness.py) divides the engine between `tenant`s (a team) in proportion to
+    their `weight`, and within a tenant between `principal`s (its keys); `tier` (one of
+    SERVICE_TIERS) goes before lower tiers. Opaque strings chosen by the server; "" is one
+    tenant (or principal) like any other."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    principal: str = ""
+    tier: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.tier not in SERVICE_TIERS:
+            raise InvalidRequestError(f"unknown service tier {self.tier!r}", param="service_tier")
+        if not (0 < self.weight <= 1_000_000):
+            raise InvalidRequestError("a tenant's weight must be in (0, 1e6]")
+
+    @property
+    def rank(self) -> int:
+        """0 for the highest tier."""
+        return SERVICE_TIERS.index(self.tier)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServiceClass:
+        return cls(
+            tenant=str(data.get("tenant", "")),
+            weight=float(data.get("weight", 1.0)),
+            principal=str(data.get("principal", "")),
+            tier=str(data.get("tier", "default")),
+        )
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """`checkpoints`: prompt positions worth resuming from later (the end of the system prompt
@@ -203,7 +244,9 @@ class GenerationRequest:
     `cache_scope`: the prefix cache's namespace, an opaque string chosen by the server. A request
     reuses only state that requests of the same scope computed, so whoever may not learn another
     caller's prompts (through reused tokens or a faster first token) must not share its scope.
-    "" is the scope of callers that set none."""
+    "" is the scope of callers that set none.
+
+    `service`: whose share of the engine the request uses, and its tier (ServiceClass)."""
 
     request_id: str
     model: str
@@ -211,6 +254,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     checkpoints: tuple[int, ...] = ()
     cache_scope: str = ""
+    service: ServiceClass = field(default_factory=ServiceClass)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -220,6 +264,7 @@ class GenerationRequest:
             "sampling": self.sampling.to_dict(),
             "checkpoints": list(self.checkpoints),
             "cache_scope": self.cache_scope,
+            "service": self.service.to_dict(),
         }
 
     @classmethod
@@ -231,6 +276,7 @@ class GenerationRequest:
             sampling=SamplingParams.from_dict(data["sampling"]),
             checkpoints=tuple(data.get("checkpoints", ())),
             cache_scope=data.get("cache_scope", ""),
+            service=ServiceClass.from_dict(data.get("service") or {}),
         )
 
 

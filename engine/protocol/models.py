@@ -37,6 +37,11 @@ class ModelSpec:
     # the same tokenizer, engine/core/draft_model.py), else by prompt lookup.
     speculative_tokens: int = 0
     draft_path: str | None = None
+    # Fair share between tenants and service tiers (engine/core/fairness.py); off: arrival
+    # order. A tier below the top keeps at least this share of the batch's rows while it has
+    # work.
+    fair_share: bool = True
+    tier_min_share: float = 0.1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -113,9 +118,20 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     prefix_cache: Mapping[str, int] = field(default_factory=dict)  # PrefixCacheStats.to_dict()
+    # Fair share (engine/core/fairness.py): sequences preempted since load, and per tenant
+    # its requests waiting, rows running, and prompt and generated tokens served since load.
+    num_preemptions: int = 0
+    tenants: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineStats:
+        tenants = {t: dict(v) for t, v in (data.get("tenants") or {}).items()}
+        return cls(
+            **{**data, "prefix_cache": dict(data.get("prefix_cache") or {}), "tenants": tenants}
+        )
 
 
 @dataclass(frozen=True)

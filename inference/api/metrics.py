@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from accounts.authentication import AuthenticationError, authenticate_header
 from inference.services.engines import get_engine_client
 from inference.services.metrics import exposition
+from inference.services.tenants import tenant_labels
 
 
 def _refused(status: int, message: str) -> HttpResponse:
@@ -48,4 +49,6 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     if refused is not None:
         return refused
     stats = await get_engine_client().stats()
-    return HttpResponse(exposition(stats), content_type=CONTENT_TYPE_LATEST)
+    tenants = {tenant for s in stats for tenant in s.tenants}
+    teams = await sync_to_async(tenant_labels)(tenants) if tenants else {}
+    return HttpResponse(exposition(stats, teams), content_type=CONTENT_TYPE_LATEST)

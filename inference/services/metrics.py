@@ -9,6 +9,8 @@ client's stats when scraped. With several web processes each serves its own coun
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -85,10 +87,47 @@ def inter_token(model: str, seconds_per_token: float, num_tokens: int) -> None:
 
 
 class _EngineCollector:
-    """The engines' stats at scrape time as gauges (and the prefix cache's totals)."""
+    """The engines' stats at scrape time as gauges (and the prefix cache's totals), and each
+    team's share of them (engine/core/fairness.py: queue, rows, tokens served)."""
 
-    def __init__(self, stats: list[EngineStats]):
+    def __init__(self, stats: list[EngineStats], teams: Mapping[str, str]):
         self.stats = stats
+        self.teams = teams
+
+    def _teams(self):
+        labels = ["model", "team"]
+        waiting = GaugeMetricFamily(
+            "orchard_team_waiting_requests",
+            "A team's requests queued for the model.",
+            labels=labels,
+        )
+        running = GaugeMetricFamily(
+            "orchard_team_running_sequences", "A team's sequences in the batch.", labels=labels
+        )
+        prompt = CounterMetricFamily(
+            "orchard_team_prompt_tokens",
+            "Prompt tokens computed for a team (prefix cache hits excluded), since load.",
+            labels=labels,
+        )
+        generated = CounterMetricFamily(
+            "orchard_team_generated_tokens",
+            "Tokens generated for a team, since load.",
+            labels=labels,
+        )
+        preemptions = CounterMetricFamily(
+            "orchard_engine_preemptions",
+            "Sequences preempted for a higher tier or a team's fair share, since load.",
+            labels=["model"],
+        )
+        for stats in self.stats:
+            preemptions.add_metric([stats.model], stats.num_preemptions)
+            for tenant, counts in stats.tenants.items():
+                row = [stats.model, self.teams.get(tenant, tenant)]
+                waiting.add_metric(row, counts.get("waiting", 0))
+                running.add_metric(row, counts.get("running", 0))
+                prompt.add_metric(row, counts.get("prefill_tokens", 0))
+                generated.add_metric(row, counts.get("decode_tokens", 0))
+        return waiting, running, prompt, generated, preemptions
 
     def collect(self):
         gauges = {
@@ -134,10 +173,12 @@ class _EngineCollector:
             hit_tokens.add_metric([stats.model], cache.get("hit_tokens", 0))
         yield from families.values()
         yield from (lookups, hits, hit_tokens, drafted, accepted)
+        yield from self._teams()
 
 
-def exposition(stats: list[EngineStats]) -> bytes:
-    """The text format Prometheus scrapes: this process's counts, then the engines' gauges."""
+def exposition(stats: list[EngineStats], teams: Mapping[str, str] | None = None) -> bytes:
+    """The text format Prometheus scrapes: this process's counts, then the engines' gauges
+    (`teams`: team names by tenant, services/tenants.py)."""
     engines = CollectorRegistry(auto_describe=False)
-    engines.register(_EngineCollector(stats))
+    engines.register(_EngineCollector(stats, teams or {}))
     return generate_latest(REGISTRY) + generate_latest(engines)

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
@@ -93,6 +94,8 @@ def model_spec(entry: ModelEntry) -> ModelSpec:
         prefix_cache_bytes=entry.prefix_cache_bytes,
         speculative_tokens=entry.speculative_tokens,
         draft_path=entry.draft_model.path if entry.draft_model_id is not None else None,
+        fair_share=settings.ORCHARD_FAIR_SHARE,
+        tier_min_share=settings.ORCHARD_TIER_MIN_SHARE,
     )
 
 

@@ -46,12 +46,15 @@ class ModelBeat:
         stats = self.stats or {}
         return int(stats.get("num_waiting", 0)) + int(stats.get("num_running", 0))
 
+    def tenant_load(self, tenant: str) -> int:
+        """A fair-share tenant's requests waiting and rows running here (its last beat)."""
+        counts = ((self.stats or {}).get("tenants") or {}).get(tenant) or {}
+        return int(counts.get("waiting", 0)) + int(counts.get("running", 0))
+
     def engine_stats(self) -> EngineStats | None:
         if not self.stats:
             return None
-        return EngineStats(
-            **{**self.stats, "prefix_cache": dict(self.stats.get("prefix_cache", {}))}
-        )
+        return EngineStats.from_dict(self.stats)
 
     def model_spec(self) -> ModelSpec | None:
         return ModelSpec.from_dict(self.spec) if self.spec else None
@@ -201,14 +204,19 @@ def sum_stats(name: str, beats: list[ModelBeat]) -> EngineStats | None:
     total = {
         f.name: sum(getattr(s, f.name) for s in stats)
         for f in dataclasses.fields(EngineStats)
-        if f.name not in ("model", "prefix_cache", "step_time_ms")
+        if f.name not in ("model", "prefix_cache", "step_time_ms", "tenants")
     }
     cache: dict[str, int] = {}
+    tenants: dict[str, dict[str, int]] = {}
     for s in stats:
         for key, value in s.prefix_cache.items():
             cache[key] = cache.get(key, 0) + value
+        for tenant, counts in s.tenants.items():
+            summed = tenants.setdefault(tenant, {})
+            for key, value in counts.items():
+                summed[key] = summed.get(key, 0) + value
     step = max(s.step_time_ms for s in stats)
-    return EngineStats(model=name, **total, step_time_ms=step, prefix_cache=cache)
+    return EngineStats(model=name, **total, step_time_ms=step, prefix_cache=cache, tenants=tenants)
 
 
 def model_status(name: str, workers: list[WorkerBeat]) -> ModelStatus:

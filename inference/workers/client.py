@@ -257,7 +257,12 @@ class RemoteEngineClient(EngineClient):
         return self._generate(request)
 
     def _route(
-        self, model: str, exclude: set[str], prompt: tuple[int, ...] = (), scope: str = ""
+        self,
+        model: str,
+        exclude: set[str],
+        prompt: tuple[int, ...] = (),
+        scope: str = "",
+        tenant: str | None = None,
     ) -> Worker | None:
         return self.fleet.route(
             model,
@@ -266,6 +271,7 @@ class RemoteEngineClient(EngineClient):
             reply=self.replies.channel,
             in_flight=self.replies.in_flight,
             scope=scope,
+            tenant=tenant,
         )
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
@@ -274,7 +280,11 @@ class RemoteEngineClient(EngineClient):
         tried: set[str] = set()
         while True:
             worker = self._route(
-                request.model, tried, request.prompt_token_ids, request.cache_scope
+                request.model,
+                tried,
+                request.prompt_token_ids,
+                request.cache_scope,
+                request.service.tenant,
             )
             if worker is None:
                 raise ModelUnavailableError(

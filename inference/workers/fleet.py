@@ -138,10 +138,14 @@ class Fleet:
         reply: str | None,
         in_flight: Callable[[str, str], int],
         scope: str = "",
+        tenant: str | None = None,
     ) -> Worker | None:
         """The worker for new work on `model` (None: no worker serves it); `in_flight` counts
         what this process (reply channel `reply`) has on a worker for a model now; `prompt` and
-        its cache `scope` find the worker whose prefix cache may hold it."""
+        its cache `scope` find the worker whose prefix cache may hold it. With the request's
+        fair-share `tenant` (engine/core/fairness.py), the tenant's own work on a worker
+        counts twice: each worker's scheduler serves the tenants holding least first, so a
+        team's request waits mostly behind its own team's work there."""
         candidates = [w for w in self.serving(model) if w.beat.worker_id not in exclude]
         wanted = self.wanted.get(model)
         if wanted is not None:
@@ -153,7 +157,8 @@ class Fleet:
         def load(worker: Worker) -> tuple[int, float]:
             beat = worker.beat.models[model]
             others = max(0, beat.load - beat.by_reply.get(reply, 0))
-            return others + in_flight(worker.beat.worker_id, model), random.random()
+            own = beat.tenant_load(tenant) if tenant is not None else 0
+            return others + own + in_flight(worker.beat.worker_id, model), random.random()
 
         loads = {w.beat.worker_id: load(w) for w in candidates}
         best = min(candidates, key=lambda w: loads[w.beat.worker_id])

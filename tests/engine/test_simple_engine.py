@@ -3,6 +3,7 @@
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from engine.protocol import (
     ModelInfo,
     ModelSpec,
     RequestStatus,
+    ServiceClass,
 )
 from engine.worker import EngineWorker
 from tests.engine.conftest import eventually, greedy, make_request
@@ -60,6 +62,10 @@ async def client():
     await client.shutdown()
 
 
+async def _waiting(client, count: int) -> bool:
+    return (await client.stats())[0].num_waiting == count
+
+
 async def started(request_id):
     await eventually(lambda: request_id in CountingEngine.started)
 
@@ -91,3 +97,22 @@ async def test_full_waiting_queue_is_overloaded(client):
     with pytest.raises(EngineOverloadedError):
         await consume(client, "d")
     await asyncio.gather(running, *waiting)
+
+
+async def test_the_next_request_is_the_fair_shares_turn(client):
+    """A priority request queued after a flex one starts first (engine/core/fairness.py)."""
+
+    async def consume_as(request_id, tier):
+        request = replace(
+            make_request(request_id, [1, 2, 3], greedy(8)),
+            service=ServiceClass(tenant=request_id, tier=tier),
+        )
+        return [o async for o in client.generate(request)]
+
+    running = asyncio.create_task(consume_as("a", "default"))
+    await started("a")
+    flex = asyncio.create_task(consume_as("b", "flex"))
+    await eventually(lambda: _waiting(client, 1))
+    urgent = asyncio.create_task(consume_as("c", "priority"))
+    await asyncio.gather(running, flex, urgent)
+    assert CountingEngine.started[-3:] == ["a", "c", "b"]

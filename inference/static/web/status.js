@@ -17,10 +17,29 @@
       body.appendChild(tr);
     });
   }
+  var shares = document.getElementById("team-shares");
+  function renderShares(teams) {
+    if (!shares || !teams) { return; }
+    var rows = shares.querySelector("tbody");
+    rows.textContent = "";
+    if (!teams.length) { var tr = document.createElement("tr"); var td = cell("No team has work now."); td.colSpan = 6; tr.appendChild(td); rows.appendChild(tr); return; }
+    teams.forEach(function (t) {
+      var tr = document.createElement("tr");
+      tr.dataset.team = t.team;
+      [t.model, t.team, t.waiting, t.running, t.tokens_per_second.toFixed(1), Math.round(t.share * 100) + " %"
+      ].forEach(function (v) { tr.appendChild(cell(String(v))); });
+      rows.appendChild(tr);
+    });
+  }
   function connect() {
     var scheme = location.protocol === "https:" ? "wss://" : "ws://";
     var socket = new WebSocket(scheme + location.host + table.dataset.socket);
-    socket.onmessage = function (event) { render(JSON.parse(event.data).models); table.dataset.updated = Date.now(); };
+    socket.onmessage = function (event) {
+      var data = JSON.parse(event.data);
+      render(data.models);
+      renderShares(data.teams);
+      table.dataset.updated = Date.now();
+    };
     socket.onclose = function () { setTimeout(connect, 2000); };
   }
   connect();

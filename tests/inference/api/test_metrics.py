@@ -47,7 +47,7 @@ def test_metrics_count_real_requests(live_server_url, staff_key, client, make_ke
     limited = openai.OpenAI(
         base_url=f"{live_server_url}/v1", api_key=make_key("rl", "rl-team", rpm=1), max_retries=0
     )
-    limited.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
+    small = limited.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
     with pytest.raises(openai.RateLimitError):
         limited.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2)
     after = scrape(live_server_url, staff_key)
@@ -71,6 +71,12 @@ def test_metrics_count_real_requests(live_server_url, staff_key, client, make_ke
     assert ("orchard_prefix_cache_lookups_total", (("model", TINY),)) in after
     assert delta("orchard_prefix_cache_lookups_total", model=TINY) >= 3
     assert ("orchard_speculative_draft_tokens_total", (("model", TINY),)) in after
+    # Each team's share of the engine (engine/core/fairness.py), by team name.
+    team = {"model": TINY, "team": "rl-team"}
+    assert delta("orchard_team_generated_tokens_total", **team) == small.usage.completion_tokens
+    assert delta("orchard_team_prompt_tokens_total", **team) >= 1
+    assert value(after, "orchard_team_running_sequences", **team) == 0
+    assert ("orchard_engine_preemptions_total", (("model", TINY),)) in after
     drafted = value(after, "orchard_speculative_draft_tokens_total", model=TINY)
     assert 0 <= value(after, "orchard_speculative_accepted_tokens_total", model=TINY) <= drafted
 

@@ -61,7 +61,35 @@ async def test_a_signed_in_user_gets_status_updates():
     first = await socket.receive_json_from(timeout=5)
     second = await socket.receive_json_from(timeout=5)  # it keeps sending
     assert "models" in first and "models" in second
+    assert "teams" in first  # staff see the teams' shares
     await socket.disconnect()
+
+
+@pytest.mark.django_db
+def test_staff_see_each_teams_share_of_an_engine():
+    from inference.web.consumers import team_shares
+    from tests.factories import TeamFactory
+
+    team = TeamFactory(name="Research")
+    tenant = f"team:{team.pk}"
+
+    def stats(a: int, b: int) -> list[EngineStats]:
+        tenants = {
+            tenant: {"waiting": 3, "running": 4, "decode_tokens": a},
+            "team:999999": {"waiting": 0, "running": 1, "decode_tokens": b},
+        }
+        return [EngineStats(model="m", tenants=tenants)]
+
+    from inference.services.tenants import tenant_labels
+
+    previous: dict = {}
+    labels = tenant_labels([tenant, "team:999999"])
+    assert labels == {tenant: "Research", "team:999999": "team:999999"}
+    team_shares(stats(100, 50), previous, 1.0, labels)
+    rows = team_shares(stats(130, 60), previous, 1.0, labels)
+    research = next(r for r in rows if r["team"] == "Research")
+    assert research["tokens_per_second"] == 30 and research["share"] == 0.75
+    assert research["waiting"] == 3 and research["running"] == 4
 
 
 def test_members_see_only_the_models_they_may_use():

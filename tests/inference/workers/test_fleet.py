@@ -97,6 +97,23 @@ async def test_a_request_travels_with_its_cache_scope_and_follows_only_its_scope
     assert GenerationRequest.from_dict(message["request"]).cache_scope == "team:2"
 
 
+def test_a_teams_request_goes_where_its_team_holds_least():
+    """Each worker's scheduler shares between teams, so a team waits mostly behind its own
+    work: its own load on a worker counts twice."""
+    client = make_client()
+
+    def worker(worker_id: str, tenants: dict[str, int]) -> Worker:
+        shares = {t: {"waiting": n, "running": 0} for t, n in tenants.items()}
+        stats = {"num_waiting": sum(tenants.values()), "num_running": 0, "tenants": shares}
+        models = {"m": ModelBeat("m", "serving", stats=stats)}
+        return Worker(WorkerBeat(worker_id, "h", 1, 0.0, seq=1, models=models), 1, 0.0, True)
+
+    client.fleet.workers = {"w1": worker("w1", {"team:1": 10}), "w2": worker("w2", {"team:2": 8})}
+    assert client._route("m", set(), (), "", "team:2").beat.worker_id == "w1"
+    assert client._route("m", set(), (), "", "team:1").beat.worker_id == "w2"
+    assert client._route("m", set(), (), "", "team:3").beat.worker_id == "w2"  # least loaded
+
+
 def test_calls_in_flight_count_toward_a_workers_load():
     client = make_client()
     client.replies.channel = "reply!1"

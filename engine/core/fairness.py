@@ -1,0 +1,192 @@
+"""Fair share between tenants, and service tiers: whom the scheduler serves next.
+
+The Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
+each tenant (a team: `ServiceClass.tenant`) has a counter, the service it received divided by
+its weight, where service is prefill tokens × PREFILL_COST plus decode tokens × DECODE_COST
+(prompt tokens the prefix cache provides cost nothing, nor does recomputing a preempted
+sequence). Among the tenants with work, the one with the smallest counter goes next. A tenant
+that gets work after having none is lifted to the smallest counter among those that have some,
+so an idle tenant banks no credit and one that was alone is not punished for it: a tenant that
+uses less than its share loses nothing, and an idle server gives everything to whoever is there.
+Within a tenant the same counters run per principal (an API key), unweighted.
+
+Tiers (`ServiceClass.tier`, engine.protocol.SERVICE_TIERS) come before counters: a higher tier
+is admitted first, and may preempt a lower tier's rows (engine/core/scheduler.py). So that the
+lowest tier is never starved by a steady higher-tier load, each tier below the top keeps at
+least `guaranteed_rows` of the batch while it has work: it is admitted first while under that,
+and never preempted below it.
+
+Slots within a tier: `fair_rows` divides a number of rows between tenants by weight, max-min fair
+(a tenant that wants fewer than its share gets what it wants, the rest is shared by the others);
+the scheduler preempts a tenant's row for another only when the first holds more than its fair
+rows and the second fewer.
+
+Pure bookkeeping over engine.core.request state: no model, no clock; tested without either.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.core.request import Request
+from engine.protocol import SERVICE_TIERS
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's place in an engine: requests waiting, rows running, tokens served."""
+
+    waiting: int = 0
+    running: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "waiting": self.waiting,
+            "running": self.running,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+        }
+
+
+class FairShare:
+    """The counters; the scheduler tells it who arrives, leaves and was served."""
+
+    PREFILL_COST = 1.0
+    # A decode token costs more than a prefill token: it holds a row of the batch for a step
+    # (the paper's weights).
+    DECODE_COST = 2.0
+
+    def __init__(self, *, max_num_seqs: int, min_tier_share: float = 0.1):
+        if not 0 <= min_tier_share < 1:
+            raise ValueError("min_tier_share must be in [0, 1)")
+        self.min_tier_share = min_tier_share
+        self.guaranteed_rows = (
+            max(1, math.floor(min_tier_share * max_num_seqs)) if min_tier_share else 0
+        )
+        self._tenants: dict[str, float] = {}
+        self._principals: dict[tuple[str, str], float] = {}
+        self._active: Counter[str] = Counter()
+        self._active_principals: Counter[tuple[str, str]] = Counter()
+        # Totals since the engine started, per tenant: [prefill, decode] tokens (metrics).
+        self.served: dict[str, list[int]] = {}
+
+    # -- arrivals and departures ---------------------------------------------------------
+
+    def arrive(self, request: Request) -> None:
+        """A request joins the engine (queued): its tenant and principal become active."""
+        service = request.spec.service
+        tenant, principal = service.tenant, (service.tenant, service.principal)
+        if not self._active[tenant]:
+            _lift(self._tenants, tenant, self._active)
+        self._active[tenant] += 1
+        if not self._active_principals[principal]:
+            peers = {p: n for p, n in self._active_principals.items() if p[0] == tenant}
+            _lift(self._principals, principal, peers)
+        self._active_principals[principal] += 1
+
+    def leave(self, request: Request) -> None:
+        """A request is gone (finished or aborted; a preempted one stays)."""
+        service = request.spec.service
+        tenant, principal = service.tenant, (service.tenant, service.principal)
+        self._active[tenant] -= 1
+        if self._active[tenant] <= 0:
+            del self._active[tenant]
+        self._active_principals[principal] -= 1
+        if self._active_principals[principal] <= 0:
+            del self._active_principals[principal]
+        if not self._active:
+            # An idle engine: the past no longer matters to anyone (arrivals are lifted to
+            # the least active counter, and there is none).
+            self._tenants.clear()
+            self._principals.clear()
+        else:
+            _forget_idle(self._tenants, self._active)
+            _forget_idle(self._principals, self._active_principals)
+
+    # -- service --------------------------------------------------------------------------
+
+    def charge_prefill(self, request: Request, num_tokens: int) -> None:
+        self._charge(request, num_tokens * self.PREFILL_COST)
+        self._served(request.spec.service.tenant)[0] += num_tokens
+
+    def charge_decode(self, request: Request, num_tokens: int) -> None:
+        self._charge(request, num_tokens * self.DECODE_COST)
+        self._served(request.spec.service.tenant)[1] += num_tokens
+
+    def _charge(self, request: Request, cost: float) -> None:
+        service = request.spec.service
+        self._tenants[service.tenant] = self._tenants.get(service.tenant, 0.0) + (
+            cost / service.weight
+        )
+        key = (service.tenant, service.principal)
+        self._principals[key] = self._principals.get(key, 0.0) + cost
+
+    def _served(self, tenant: str) -> list[int]:
+        served = self.served.get(tenant)
+        if served is None:
+            served = self.served[tenant] = [0, 0]
+        return served
+
+    # -- order ----------------------------------------------------------------------------
+
+    def counter(self, tenant: str) -> float:
+        return self._tenants.get(tenant, 0.0)
+
+    def order(self, request: Request) -> tuple:
+        """Sort key: who goes first (tier, tenant's counter, principal's, arrival)."""
+        service = request.spec.service
+        return (
+            service.rank,
+            self._tenants.get(service.tenant, 0.0),
+            self._principals.get((service.tenant, service.principal), 0.0),
+            request.arrived_at,
+        )
+
+    def protected(self, tier: str, rows_by_tier: Mapping[str, int], rows: int) -> bool:
+        """Whether taking `rows` rows from `tier` would leave it under its guarantee."""
+        if SERVICE_TIERS.index(tier) == 0:
+            return False
+        return rows_by_tier.get(tier, 0) - rows < self.guaranteed_rows
+
+
+def fair_rows(
+    demands: Mapping[str, int], weights: Mapping[str, float], capacity: int
+) -> dict[str, float]:
+    """Max-min fair division of `capacity` rows among tenants wanting `demands`, by weight."""
+    share: dict[str, float] = {}
+    left = dict(demands)
+    room = float(capacity)
+    while left and room > 0:
+        total = sum(weights[t] for t in left)
+        satisfied = {t: d for t, d in left.items() if d <= room * weights[t] / total}
+        if not satisfied:
+            for tenant in left:
+                share[tenant] = room * weights[tenant] / total
+            return share
+        for tenant, demand in satisfied.items():
+            share[tenant] = demand
+            room -= demand
+            del left[tenant]
+    for tenant in left:
+        share[tenant] = 0.0
+    return share
+
+
+def _lift(counters: dict, key, active: Mapping) -> None:
+    floor = min((counters.get(other, 0.0) for other, n in active.items() if n > 0), default=None)
+    if floor is not None:
+        counters[key] = max(counters.get(key, 0.0), floor)
+
+
+def _forget_idle(counters: dict, active: Mapping) -> None:
+    # An idle entry at or under the least active counter would be lifted to it on return:
+    # keeping it changes nothing, so it goes (the dict stays as small as the active set plus
+    # those who were served more than the rest).
+    floor = min(counters.get(key, 0.0) for key in active)
+    for key in [k for k, value in counters.items() if k not in active and value <= floor]:
+        del counters[key]
