@@ -19,16 +19,36 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
 from accounts import keys
-from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
+from accounts.models import (
+    DEFAULT_SERVICE_TIERS,
+    ApiKey,
+    ApiKeyMonthlyUsage,
+    Membership,
+    Team,
+    default_service_tiers,
+)
 from accounts.selectors import (
     api_keys_managed_by,
     api_keys_visible_to,
     teams_owned_by,
     teams_visible_to,
 )
-from accounts.services import api_key_create, api_key_revoke, api_key_rotate
+from accounts.services import (
+    api_key_create,
+    api_key_revoke,
+    api_key_rotate,
+    service_tiers_ordered,
+)
 
 ERROR_NOT_A_MEMBER = "The key's user must be a member of the team."
+ERROR_PRIORITY_BY_SUPERUSER = (
+    "Only a superuser grants the priority tier: its requests go before every other team's."
+)
+SERVICE_TIER_CHOICES = [
+    ("priority", "priority: served first, ahead of the other tiers"),
+    ("default", "default"),
+    ("flex", "flex: served after the other tiers"),
+]
 SHOW_ONCE_TEMPLATE = "admin/accounts/apikey/show_once.html"
 ERROR_ALREADY_CREATED = (
     "This form was already submitted: it created key {prefix}…, whose secret was shown once. "
@@ -106,7 +126,7 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
-    list_display = ["name", "created_at"]
+    list_display = ["name", "weight", "created_at"]
     search_fields = ["name"]
     inlines = [MembershipInline]
 
@@ -114,10 +134,11 @@ class TeamAdmin(admin.ModelAdmin):
         return teams_owned_by(user=request.user)
 
     def get_readonly_fields(self, request, obj=None):
-        # A team owner who is staff edits their team here, but not the storage it may use.
+        # A team owner who is staff edits their team here, but not the storage it may use nor
+        # its share of the engine (both are taken from the other teams).
         if request.user.is_superuser:
             return ()
-        return ("response_storage_bytes",)
+        return ("response_storage_bytes", "weight")
 
 
 @admin.register(Membership)
@@ -173,6 +194,15 @@ class ApiKeyForm(forms.ModelForm):
         required=False,
         help_text="Comma-separated model names; used when 'all models' is off.",
     )
+    service_tiers = forms.MultipleChoiceField(
+        choices=SERVICE_TIER_CHOICES,
+        widget=forms.CheckboxSelectMultiple,
+        initial=default_service_tiers,
+        help_text="Tiers the key's requests may ask for (service_tier); a request that asks "
+        "for none gets default, else flex, else priority.",
+    )
+    # Set per request by the admin (get_form): whether this user may add the priority tier.
+    may_grant_priority = False
     # Not the model field's name: the admin would then treat it as a (non-editable) model field.
     submission_token = forms.CharField(
         widget=forms.HiddenInput, required=False, initial=_new_creation_token
@@ -192,7 +222,15 @@ class ApiKeyForm(forms.ModelForm):
             "budget_tokens",
             "expires_at",
             "reads_usage",
+            "service_tiers",
         ]
+
+    def clean_service_tiers(self) -> list[str]:
+        tiers = service_tiers_ordered(self.cleaned_data["service_tiers"])
+        had = not self.instance._state.adding and "priority" in self.instance.service_tiers
+        if "priority" in tiers and not had and not self.may_grant_priority:
+            raise forms.ValidationError(ERROR_PRIORITY_BY_SUPERUSER)
+        return tiers
 
     def clean(self):
         cleaned = super().clean()
@@ -273,6 +311,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
 
     def get_form(self, request, obj=None, **kwargs):
         form = super().get_form(request, obj, **kwargs)
+        form.may_grant_priority = request.user.is_superuser  # a class made for this request
         if "team" in form.base_fields:
             owned = teams_owned_by(user=request.user)
             form.base_fields["team"].queryset = owned
@@ -317,6 +356,9 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
             )
             if value is not None
         ]
+        if list(obj.service_tiers) != list(DEFAULT_SERVICE_TIERS):
+            # Only where the key differs from the default tiers (the list stays narrow).
+            parts.append("tiers " + ", ".join(obj.service_tiers))
         return " · ".join(parts) or "none"
 
     @admin.display(description="models")
@@ -339,6 +381,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
             budget_tokens=data["budget_tokens"],
             expires_at=data["expires_at"],
             reads_usage=data.get("reads_usage", False),
+            service_tiers=data["service_tiers"],
             created_by=request.user,
             creation_token=data.get("submission_token") or None,
         )

@@ -1,6 +1,30 @@
 from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
+
+from engine import SERVICE_TIERS
+
+# The tiers a new key may use; "priority" (served first, preempting the others) is granted by a
+# superuser in the admin.
+DEFAULT_SERVICE_TIERS = ("default", "flex")
+MAX_TEAM_WEIGHT = 1000
+
+
+def default_service_tiers() -> list[str]:
+    return list(DEFAULT_SERVICE_TIERS)
+
+
+def validate_service_tiers(value: object) -> None:
+    if not isinstance(value, list) or not value:
+        raise ValidationError("Allow at least one service tier.")
+    unknown = [tier for tier in value if tier not in SERVICE_TIERS]
+    if unknown:
+        raise ValidationError(
+            f"Unknown service tier(s): {', '.join(map(str, unknown))}; "
+            f"the tiers are {', '.join(SERVICE_TIERS)}."
+        )
 
 
 class Team(models.Model):
@@ -32,6 +56,14 @@ class Team(models.Model):
         blank=True,
         help_text="Bytes of stored /v1/responses responses the team may keep. Empty: "
         "ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM.",
+    )
+    # The engine's fair share (engine.ServiceClass.weight): only superusers set it, since it
+    # takes from every other team.
+    weight = models.PositiveSmallIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_TEAM_WEIGHT)],
+        help_text="Share of the engine while teams compete: a team of weight 2 gets twice the "
+        "generation of a team of weight 1 when both have requests waiting (1 to 1000).",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -95,6 +127,14 @@ class ApiKey(models.Model):
         default=False, help_text="May read the team's usage through the usage API."
     )
     allowed_models = models.JSONField(default=list, blank=True)
+    # Names from engine.SERVICE_TIERS, kept in that order (highest first).
+    service_tiers = models.JSONField(
+        "service tiers",
+        default=default_service_tiers,
+        validators=[validate_service_tiers],
+        help_text="Tiers the key's requests may ask for (service_tier). Priority is served "
+        "before the other tiers, ahead of other teams' requests.",
+    )
     rpm = models.PositiveIntegerField("requests per minute", null=True, blank=True)
     tpm = models.PositiveIntegerField("tokens per minute", null=True, blank=True)
     max_parallel = models.PositiveIntegerField("max parallel requests", null=True, blank=True)

@@ -1,6 +1,7 @@
 """Writes for teams, memberships and API keys, the rules for the keys members make themselves
 (the members' pages), and the sign-in throttle's counters in the database."""
 
+from collections.abc import Iterable
 from datetime import date, datetime, timedelta
 
 from django.contrib.auth import get_user_model
@@ -10,8 +11,17 @@ from django.db.models import F
 from django.utils import timezone
 
 from accounts import keys
-from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, SigninAttempts, Team
+from accounts.models import (
+    DEFAULT_SERVICE_TIERS,
+    ApiKey,
+    ApiKeyMonthlyUsage,
+    Membership,
+    SigninAttempts,
+    Team,
+    validate_service_tiers,
+)
 from accounts.selectors import teams_for_new_keys, teams_owned_by
+from engine import SERVICE_TIERS
 
 # last_used_at is written at most this often per key, so hot keys don't cost a write per request.
 LAST_USED_RESOLUTION_SECONDS = 60
@@ -58,10 +68,14 @@ def api_key_create(
     created_by: AbstractBaseUser | None = None,
     creation_token: str | None = None,
     reads_usage: bool = False,
+    service_tiers: Iterable[str] = DEFAULT_SERVICE_TIERS,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns it with the raw key, which is not stored and cannot be shown again.
     `models=None` allows every model; `creation_token` makes a form submission create one key
-    however often it is resubmitted (it is unique)."""
+    however often it is resubmitted (it is unique); `service_tiers` (names of
+    engine.SERVICE_TIERS) are the tiers its requests may ask for (ValidationError otherwise)."""
+    tiers = service_tiers_ordered(service_tiers)
+    validate_service_tiers(tiers)
     raw_key = keys.generate_key()
     api_key = ApiKey.objects.create(
         prefix=keys.lookup_prefix(raw_key),
@@ -77,10 +91,18 @@ def api_key_create(
         max_parallel=max_parallel,
         budget_tokens=budget_tokens,
         reads_usage=reads_usage,
+        service_tiers=tiers,
         expires_at=expires_at,
         creation_token=creation_token,
     )
     return api_key, raw_key
+
+
+def service_tiers_ordered(tiers: Iterable[str]) -> list[str]:
+    """`tiers` without repeats, highest first (unknown names kept, last, for the validator
+    to name)."""
+    given = list(dict.fromkeys(tiers))
+    return [t for t in SERVICE_TIERS if t in given] + [t for t in given if t not in SERVICE_TIERS]
 
 
 @transaction.atomic
@@ -89,9 +111,10 @@ def member_key_create(
 ) -> tuple[ApiKey, str | None]:
     """A key the user makes for themselves in `team` (one of `teams_for_new_keys`): an owner's
     has no limits; a member's gets the team's member-key limits and models, and a member holds at
-    most MEMBER_KEYS_MAX active keys in a team. Returns the key and its raw value, or, for a form
-    sent again (its `creation_token` made a key already), that key and None: one key however
-    often the form is sent, even twice at once. Raises MemberKeyRefused."""
+    most MEMBER_KEYS_MAX active keys in a team. Either gets the default service tiers (priority
+    is granted in the admin only). Returns the key and its raw value, or, for a form sent again
+    (its `creation_token` made a key already), that key and None: one key however often the
+    form is sent, even twice at once. Raises MemberKeyRefused."""
     if creation_token:
         existing = ApiKey.objects.filter(creation_token=creation_token, user=user).first()
         if existing is not None:
@@ -186,8 +209,8 @@ def api_key_touch_last_used(*, api_key: ApiKey, now: datetime) -> None:
 def api_key_rotate(
     *, api_key: ApiKey, created_by: AbstractBaseUser | None = None
 ) -> tuple[ApiKey, str]:
-    """A new key with the old one's team, owner, label, models, limits and expiry; the old key is
-    revoked in the same transaction. Returns the new key and its raw value."""
+    """A new key with the old one's team, owner, label, models, limits, service tiers and expiry;
+    the old key is revoked in the same transaction. Returns the new key and its raw value."""
     new_key, raw_key = api_key_create(
         user=api_key.user,
         team=api_key.team,
@@ -198,6 +221,7 @@ def api_key_rotate(
         max_parallel=api_key.max_parallel,
         budget_tokens=api_key.budget_tokens,
         expires_at=api_key.expires_at,
+        service_tiers=api_key.service_tiers,
         created_by=created_by,
     )
     api_key_revoke(api_key=api_key)

@@ -3,7 +3,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator
 from django.db import models
 
-from engine import InvalidRequestError, SamplingParams
+from engine import SERVICE_TIERS, InvalidRequestError, SamplingParams
 from inference.parsers.registry import reasoning_parser_choices, tool_parser_choices
 
 ERROR_DEFAULT_MUST_BE_ENABLED = (
@@ -21,6 +21,9 @@ SAMPLING_DEFAULT_FIELDS = {
     "repetition_penalty": float,
     "max_tokens": int,
 }
+# The tier a request was served in (engine.SERVICE_TIERS; requests without one, embeddings and
+# refusals, count as default).
+SERVICE_TIER_CHOICES = [(tier, tier) for tier in SERVICE_TIERS]
 
 
 class ModelEntry(models.Model):
@@ -181,6 +184,7 @@ class UsageRecord(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
     model = models.CharField(max_length=100)
     endpoint = models.CharField(max_length=50)
+    service_tier = models.CharField(max_length=10, choices=SERVICE_TIER_CHOICES, default="default")
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.IN_PROGRESS)
     error_code = models.CharField(max_length=50, blank=True)
     prompt_tokens = models.PositiveIntegerField(default=0)
@@ -209,12 +213,14 @@ class UsageRecord(models.Model):
 
 
 class DailyUsage(models.Model):
-    """Roll-up of finished usage rows by day × team × key × model; reports read these."""
+    """Roll-up of finished usage rows by day × team × key × model × service tier; reports read
+    these."""
 
     date = models.DateField()
     team = models.ForeignKey("accounts.Team", on_delete=models.PROTECT, related_name="+")
     api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.PROTECT, related_name="+")
     model = models.CharField(max_length=100)
+    service_tier = models.CharField(max_length=10, choices=SERVICE_TIER_CHOICES, default="default")
     num_requests = models.PositiveIntegerField(default=0)
     num_completed = models.PositiveIntegerField(default=0)
     num_cancelled = models.PositiveIntegerField(default=0)
@@ -229,7 +235,8 @@ class DailyUsage(models.Model):
         verbose_name_plural = "daily usage"
         constraints = [
             models.UniqueConstraint(
-                fields=["date", "team", "api_key", "model"], name="unique_daily_usage"
+                fields=["date", "team", "api_key", "model", "service_tier"],
+                name="unique_daily_usage_tier",
             )
         ]
 

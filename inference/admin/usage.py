@@ -47,6 +47,7 @@ class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
     list_per_page = 50
     list_filter = [
         "status",
+        "service_tier",
         ModelNameFilter,
         ("team", VisibleTeamFilter),
         ("started_at", admin.DateFieldListFilter),
@@ -141,6 +142,7 @@ class DailyUsageAdmin(WideListMixin, ReadOnlyAdmin):
         "team",
         "key",
         "model",
+        "service_tier",
         "requests",
         "prompt_tokens",
         "cached_tokens",
@@ -150,6 +152,7 @@ class DailyUsageAdmin(WideListMixin, ReadOnlyAdmin):
         ("date", admin.DateFieldListFilter),
         ("team", VisibleTeamFilter),
         ModelNameFilter,
+        "service_tier",
     ]
     list_select_related = ["team", "api_key", "api_key__user"]
 

@@ -94,6 +94,7 @@ def chat_call(data: dict[str, Any]) -> GenerationCall:
         parallel_tool_calls=data.get("parallel_tool_calls") is not False,
         require_tool_call=requires_tool_call(data.get("tool_choice"), tools),
         cache_salt=data.get("cache_salt"),
+        service_tiers=data["service_tier"],
     )
 
 

@@ -54,6 +54,7 @@ def completion_call(data: dict[str, Any]) -> GenerationCall:
         echo=bool(data.get("echo")),
         param_names={"top_logprobs": "logprobs"},
         cache_salt=data.get("cache_salt"),
+        service_tiers=data["service_tier"],
     )
 
 

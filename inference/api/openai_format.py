@@ -132,6 +132,7 @@ def chat_completion_body(
         "object": "chat.completion",
         "created": created,
         "model": generation.model,
+        "service_tier": generation.service_tier,
         "system_fingerprint": None,
         "choices": [
             {
@@ -177,6 +178,7 @@ def text_completion_body(
         "object": "text_completion",
         "created": created,
         "model": generation.model,
+        "service_tier": generation.service_tier,
         "choices": body_choices,
         "usage": generation.usage(),
     }
@@ -190,6 +192,7 @@ async def chat_chunks(
         "object": "chat.completion.chunk",
         "created": created,
         "model": generation.model,
+        "service_tier": generation.service_tier,
         "system_fingerprint": None,
     }
     if include_usage:
@@ -251,6 +254,7 @@ async def completion_chunks(
         "object": "text_completion",
         "created": created,
         "model": generation.model,
+        "service_tier": generation.service_tier,
     }
     if include_usage:
         base["usage"] = None

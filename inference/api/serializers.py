@@ -4,12 +4,15 @@ after the model's defaults are applied. Unknown fields are ignored, as OpenAI do
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from rest_framework import serializers
+from rest_framework.fields import empty
 
 from engine import InvalidRequestError, check_template_kwargs
 from inference.api import jsonbody
+from inference.services.service_class import AUTO_TIERS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CACHE_SALT_CHARS = 256
@@ -56,6 +59,44 @@ class CacheSaltField(StrictCharField):
 
     def __init__(self, **kwargs):
         super().__init__(required=False, allow_null=True, max_length=MAX_CACHE_SALT_CHARS, **kwargs)
+
+
+# `service_tier` values and the tiers each accepts, most wanted first
+# (inference/services/service_class.py). OpenAI's: "auto" is default, else what the key has;
+# "scale" (OpenAI's reserved capacity) is refused.
+OPENAI_SERVICE_TIERS = {
+    "auto": AUTO_TIERS,
+    "default": ("default",),
+    "flex": ("flex",),
+    "priority": ("priority",),
+}
+# Anthropic's: "auto" (its default) is priority capacity when there is some, "standard_only"
+# never asks for it.
+ANTHROPIC_SERVICE_TIERS = {"auto": ("priority", "default", "flex"), "standard_only": AUTO_TIERS}
+
+
+class ServiceTierField(serializers.Field):
+    """`service_tier`: one of the API's values (`tiers`), read as the tiers it accepts; absent
+    or null is "auto"."""
+
+    default_error_messages = {"invalid": "service_tier must be one of {choices}."}
+
+    def __init__(self, tiers: Mapping[str, tuple[str, ...]], **kwargs):
+        self.tiers = tiers
+        super().__init__(required=False, allow_null=True, **kwargs)
+
+    def validate_empty_values(self, data: Any) -> tuple[bool, Any]:
+        if data is empty or data is None:
+            return True, self.tiers["auto"]
+        return super().validate_empty_values(data)
+
+    def to_internal_value(self, data: Any) -> tuple[str, ...]:
+        if not isinstance(data, str) or data not in self.tiers:
+            self.fail("invalid", choices=", ".join(f"'{name}'" for name in self.tiers))
+        return self.tiers[data]
+
+    def to_representation(self, value: Any) -> Any:
+        return value
 
 
 class NumberField(serializers.Field):
@@ -147,6 +188,7 @@ class SamplingSerializer(serializers.Serializer):
     stream_options = serializers.DictField(required=False, allow_null=True)
     user = StrictCharField(required=False, allow_null=True, allow_blank=True)
     cache_salt = CacheSaltField()
+    service_tier = ServiceTierField(OPENAI_SERVICE_TIERS)
 
     def validate_logit_bias(self, value: dict | None) -> dict[int, float]:
         biases = {}

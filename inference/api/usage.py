@@ -3,7 +3,8 @@ like OpenAI's organization usage API (daily buckets of results, `group_by`, curs
 
 Who may read: a signed-in session of a team owner or a superuser (their teams), or an API key
 marked `reads_usage` (its own team). `project_id` is the team; `api_key_id` a key's prefix;
-`user_id` a member's username. Read from the daily roll-ups, so a year of a busy team is cheap.
+`user_id` a member's username; `service_tier` the tier requests were served in. Read from the
+daily roll-ups, so a year of a busy team is cheap.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from inference.services import reports
 
 LATEST_TIME = 32_503_680_000  # 3000-01-01: later times are not usage
 LIST_PARAMS = {"group_by", "models", "api_key_ids", "user_ids", "project_ids"}
-GROUP_FIELDS = {"model": "model", "api_key_id": "key", "user_id": "member", "project_id": "team"}
+GROUP_FIELDS = {
+    "model": "model",
+    "api_key_id": "key",
+    "user_id": "member",
+    "project_id": "team",
+    "service_tier": "tier",
+}
 
 
 class UsageKeyAuthentication(authentication.BaseAuthentication):
@@ -161,6 +168,7 @@ def _result(row: dict, group_by: list[str], team: Team | None) -> dict:
         "user_id": row.get("member") if "user_id" in group_by else None,
         "api_key_id": row.get("key") if "api_key_id" in group_by else None,
         "model": row.get("model") if "model" in group_by else None,
+        "service_tier": row.get("tier") if "service_tier" in group_by else None,
         "batch": None,
     }
 

@@ -37,6 +37,7 @@ from inference.services.held_refusals import refused_keys
 from inference.services.refusals import refusals
 from inference.services.registry import model_for_key
 from inference.services.settlement import Settlement
+from inference.services.usage import DEFAULT_TIER
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +107,17 @@ class Intake:
         work.add_done_callback(self._work.discard)
 
     async def reserve(
-        self, *, model: str, reserved_tokens: int, min_tokens: int | None = None
+        self,
+        *,
+        model: str,
+        reserved_tokens: int,
+        min_tokens: int | None = None,
+        service_tier: str = DEFAULT_TIER,
     ) -> Settlement:
         """Reserve the request's tokens (with `min_tokens`, admission may grant fewer, never
-        fewer than that: `Settlement.granted_tokens`). The caller must `settle()` what this
-        returns; its release is the settlement's from then on."""
+        fewer than that: `Settlement.granted_tokens`); the request is metered in `service_tier`.
+        The caller must `settle()` what this returns; its release is the settlement's from then
+        on."""
         await _limited(
             self.admission.reserve(reserved_tokens=reserved_tokens, min_tokens=min_tokens),
             api_key=self.api_key,
@@ -118,7 +125,7 @@ class Intake:
             endpoint=self.endpoint,
         )
         self._settled_by = Settlement(
-            self.api_key, self.request_id, model, self.endpoint, self.admission
+            self.api_key, self.request_id, model, self.endpoint, self.admission, service_tier
         )
         return self._settled_by
 

@@ -11,8 +11,10 @@ running generation happens here, once, in this order:
 2. rendering (chat template, or the tokenizer), each prompt a job of the fair preparation gate
    (inference/services/prework.py) in a tokenizer process its deadline stops;
 3. the sampling parameters: the caller's fields over the model's registry defaults, max_tokens
-   sized by `engine.completion_budget` (`Sizing`), and the prefix-cache scope (the key's team
-   and the call's `cache_salt`: inference/services/cache_scope.py);
+   sized by `engine.completion_budget` (`Sizing`), the prefix-cache scope (the key's team
+   and the call's `cache_salt`: inference/services/cache_scope.py), and the service class (the
+   key's team and its weight, the key, and the tier: inference/services/service_class.py; a
+   tier the key may not use is refused first of all);
 4. validation by `engine.validate_generation` (token ids, ranges, context), the check the
    engine repeats at submit;
 5. admission (reserving tokens on the intake; fewer when the caller left max_tokens to the
@@ -45,6 +47,7 @@ from engine import (
     PromptInput,
     RenderedPrompt,
     SamplingParams,
+    ServiceClass,
     completion_budget,
     validate_generation,
 )
@@ -57,6 +60,7 @@ from inference.services.engines import get_engine_client
 from inference.services.execution import ERROR_RELOADING, Execution
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
 from inference.services.registry import model_spec
+from inference.services.service_class import AUTO_TIERS, service_class
 from inference.services.structured import tool_call_grammar
 
 logger = logging.getLogger(__name__)
@@ -97,6 +101,9 @@ class GenerationCall:
     require_tool_call: bool = False
     # Narrows the prefix-cache scope: only calls with the same salt (and team) share cache hits.
     cache_salt: str | None = None
+    # The service tiers the caller accepts, most wanted first (its `service_tier`): the call is
+    # served in the first one its key may use.
+    service_tiers: tuple[str, ...] = AUTO_TIERS
 
     def name(self, param: str | None) -> str | None:
         """The body field a validation error's parameter stands for."""
@@ -117,6 +124,11 @@ class Generation:
     @property
     def model(self) -> str:
         return self.entry.name
+
+    @property
+    def service_tier(self) -> str:
+        """The tier the generation is served (and metered) in."""
+        return self.execution.settlement.service_tier
 
     @property
     def headers(self) -> dict[str, str]:
@@ -162,6 +174,7 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
     APIError for anything the caller can fix or should retry; nothing is reserved or left open
     when it does (the intake gives its slot back)."""
     api_key, request_id = intake.api_key, intake.request_id
+    service = service_class(api_key=api_key, accepted=call.service_tiers)
     entry = await intake.model_entry(name=call.model, kind=ModelEntry.Kind.CHAT)
     info = await _serving_model(entry)
     sampling, size_limit = _sampling(call, entry)
@@ -180,7 +193,7 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
         grammar = await intake.in_thread(_tool_grammar, call, sampling, parsing, info)
         sampling = dataclasses.replace(sampling, grammar=grammar)
     scope = prefix_cache_scope(api_key=api_key, entry=entry, salt=call.cache_salt)
-    sized = Sizing(request_id, entry.name, prompts, sampling, size_limit, info, scope)
+    sized = Sizing(request_id, entry.name, prompts, sampling, size_limit, info, scope, service)
     requests = sized.requests()
     for request in requests:
         try:
@@ -200,6 +213,7 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
         model=entry.name,
         reserved_tokens=reserved,
         min_tokens=sized.least_tokens if sized.flexible else None,
+        service_tier=service.tier,
     )
     if settlement.granted_tokens < reserved:
         requests = sized.requests(granted=settlement.granted_tokens)
@@ -221,6 +235,7 @@ class Sizing:
     size_limit: int | None
     info: ModelInfo
     cache_scope: str
+    service: ServiceClass
 
     @property
     def flexible(self) -> bool:
@@ -267,6 +282,7 @@ class Sizing:
                     ),
                     rendered.checkpoints,
                     self.cache_scope,
+                    service=self.service,
                 )
             )
         return requests

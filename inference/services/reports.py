@@ -1,6 +1,6 @@
 """Usage reports for the web pages and the usage API, read from the daily roll-ups
-(`DailyUsage`: one row per day × team × key × model), never from the per-request rows, so they
-stay fast however many requests there were."""
+(`DailyUsage`: one row per day × team × key × model × service tier), never from the per-request
+rows, so they stay fast however many requests there were."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ GROUPS = {
     "model": "model",
     "key": "api_key__prefix",
     "member": "api_key__user__username",
+    "tier": "service_tier",
 }
 SUMS = {
     "requests": Sum("num_requests"),
@@ -34,6 +35,7 @@ class Report:
     totals: dict[str, int]
     by_day: list[tuple[datetime.date, int]] = field(default_factory=list)
     by_model: list[tuple[str, int]] = field(default_factory=list)
+    by_tier: list[tuple[str, int]] = field(default_factory=list)
 
 
 def daily_rows(
@@ -82,4 +84,5 @@ def totals(rows: QuerySet[DailyUsage]) -> dict[str, int]:
 def report(rows: QuerySet[DailyUsage], groups: list[str]) -> Report:
     by_day = [(r["day"], r["total_tokens"]) for r in grouped(rows, ["day"])]
     by_model = [(r["model"], r["total_tokens"]) for r in grouped(rows, ["model"])]
-    return Report(grouped(rows, groups), totals(rows), sorted(by_day), by_model)
+    by_tier = [(r["tier"], r["total_tokens"]) for r in grouped(rows, ["tier"])]
+    return Report(grouped(rows, groups), totals(rows), sorted(by_day), by_model, by_tier)

@@ -31,7 +31,7 @@ from common.request_threads import detach
 from inference.models import UsageRecord
 from inference.services import metrics
 from inference.services.engines import after_engines_stop
-from inference.services.usage import usage_finish, usage_open
+from inference.services.usage import DEFAULT_TIER, usage_finish, usage_open
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Settlement:
     model: str
     endpoint: str
     admission: limits.Admission
+    service_tier: str = DEFAULT_TIER  # the tier the request is served in, on its usage row
     usage: Usage = field(default_factory=Usage)
     _usage_id: int | None = None
     _settled: bool = False
@@ -94,6 +95,7 @@ class Settlement:
                 model=self.model,
                 endpoint=self.endpoint,
                 reserved_tokens=self.admission.granted_tokens,
+                service_tier=self.service_tier,
             )
         )
         try:

@@ -23,6 +23,7 @@ from accounts.services import api_key_monthly_usage_add
 from inference.models import DailyUsage, UsageRecord
 
 ERROR_SERVER_RESTARTED = "server_restarted"
+DEFAULT_TIER = "default"
 # A starting process cannot tell a crashed process's rows from a live one's, so by default it
 # sweeps only rows as old as the parallel-slot lease: the limiter already treats a request that
 # outlived it as abandoned (its slot is given back), and no real generation runs that long. The
@@ -53,7 +54,13 @@ def _record(
 
 
 def usage_open(
-    *, request_id: str, api_key: ApiKey, model: str, endpoint: str, reserved_tokens: int = 0
+    *,
+    request_id: str,
+    api_key: ApiKey,
+    model: str,
+    endpoint: str,
+    reserved_tokens: int = 0,
+    service_tier: str = DEFAULT_TIER,
 ) -> UsageRecord:
     return _record(
         request_id=request_id,
@@ -61,6 +68,7 @@ def usage_open(
         model=model,
         endpoint=endpoint,
         reserved_tokens=reserved_tokens,
+        service_tier=service_tier,
         started_at=timezone.now(),
     )
 
@@ -74,14 +82,15 @@ def usage_refusals_add(*, counts: Mapping[RefusalBucket, int]) -> None:
     """Requests a limit refused, added to the day's roll-ups (`num_requests` and
     `num_rejected`, what the reports show) without a row each: a flood of refusals costs one
     write per key and model per flush (inference/services/refusals.py), not one per request.
-    A key deleted meanwhile has no roll-up to count in: its refusals are dropped."""
+    A refusal comes before the body, and its service tier, is read: it counts as default. A key
+    deleted meanwhile has no roll-up to count in: its refusals are dropped."""
     keys = {api_key_id for _, _, api_key_id, _ in counts}
     existing = set(ApiKey.objects.filter(pk__in=keys).values_list("pk", flat=True))
     for (day, team_id, api_key_id, model), count in sorted(counts.items()):
         if api_key_id not in existing:
             continue
         daily, _ = DailyUsage.objects.select_for_update().get_or_create(
-            date=day, team_id=team_id, api_key_id=api_key_id, model=model
+            date=day, team_id=team_id, api_key_id=api_key_id, model=model, service_tier=DEFAULT_TIER
         )
         DailyUsage.objects.filter(pk=daily.pk).update(
             num_requests=F("num_requests") + count, num_rejected=F("num_rejected") + count
@@ -99,6 +108,7 @@ def usage_record_finished(
     started_at: datetime.datetime,
     prompt_tokens: int = 0,
     error_code: str = "",
+    service_tier: str = DEFAULT_TIER,
 ) -> UsageRecord:
     """A row written once, finished, for a request that does not stream, rolled up at once."""
     now = timezone.now()
@@ -110,6 +120,7 @@ def usage_record_finished(
         status=status,
         error_code=error_code,
         prompt_tokens=prompt_tokens,
+        service_tier=service_tier,
         duration_ms=int((now - started_at).total_seconds() * 1000),
         started_at=started_at,
         finished_at=now,
@@ -160,7 +171,11 @@ def usage_finish(
 def _roll_up(record: UsageRecord, *, sign: int) -> None:
     day: datetime.date = record.started_at.date()
     daily, _ = DailyUsage.objects.select_for_update().get_or_create(
-        date=day, team_id=record.team_id, api_key_id=record.api_key_id, model=record.model
+        date=day,
+        team_id=record.team_id,
+        api_key_id=record.api_key_id,
+        model=record.model,
+        service_tier=record.service_tier,
     )
     counter = _STATUS_COUNTERS[record.status]
     DailyUsage.objects.filter(pk=daily.pk).update(

@@ -36,7 +36,8 @@ from inference.services import reports
 from inference.services.engines import get_engine_client
 from inference.services.registry import models_for_key
 
-REPORT_GROUPS = ["day", "model", "key", "member"]
+REPORT_GROUPS = ["day", "model", "key", "member", "tier"]
+REPORT_SUMS = ["requests", "prompt_tokens", "cached_tokens", "completion_tokens"]
 EARLIEST, LATEST = datetime.date(2000, 1, 1), datetime.date(9000, 1, 1)  # what a range may span
 
 
@@ -169,6 +170,7 @@ def usage(request: HttpRequest) -> HttpResponse:
         "until": until,
         "by_day": reports.grouped(rows, ["day"]),
         "by_model": reports.grouped(rows, ["model"]),
+        "by_tier": reports.grouped(rows, ["tier"]),
         "totals": reports.totals(rows),
         "chart": _bars(_every_day(reports.report(rows, ["day"]).by_day, since, until)),
     }
@@ -260,14 +262,13 @@ def _csv(team: Team, since, until, result: reports.Report) -> HttpResponse:
     name = f"orchard-{team.name}-{since}-{until}.csv".replace(" ", "_")
     response["Content-Disposition"] = f'attachment; filename="{name}"'
     writer = csv.writer(response)
-    columns = [*REPORT_GROUPS, "requests", "prompt_tokens", "cached_tokens", "completion_tokens"]
-    writer.writerow([*columns, "total_tokens"])
+    columns = [*REPORT_GROUPS, *REPORT_SUMS, "total_tokens"]
+    writer.writerow(columns)
     for row in result.rows:
-        writer.writerow([row[c] for c in columns] + [row["total_tokens"]])
+        writer.writerow([row[c] for c in columns])
     totals = result.totals
-    writer.writerow(
-        ["total", "", "", "", *[totals[c] for c in columns[4:]], totals["total_tokens"]]
-    )
+    blanks = [""] * (len(REPORT_GROUPS) - 1)
+    writer.writerow(["total", *blanks, *[totals[c] for c in columns[len(REPORT_GROUPS) :]]])
     return response
 
 

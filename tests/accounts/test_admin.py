@@ -2,6 +2,7 @@
 team isolation for staff who are not superusers (members' keys read-only), raw keys never echoed
 by a search, the model registry and the usage pages."""
 
+import re
 from datetime import date
 
 import pytest
@@ -10,7 +11,7 @@ from django.contrib.auth.models import Permission
 from django.urls import reverse
 
 from accounts import keys
-from accounts.admin import ERROR_NOT_A_MEMBER
+from accounts.admin import ERROR_NOT_A_MEMBER, ERROR_PRIORITY_BY_SUPERUSER
 from accounts.authentication import ERROR_REVOKED, AuthenticationError, authenticate_header
 from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership
 from inference.models import ModelEntry, UsageRecord
@@ -51,6 +52,7 @@ def _add_form(team, user, **overrides):
         "budget_tokens": "",
         "expires_at_0": "",
         "expires_at_1": "",
+        "service_tiers": ["default", "flex"],
     }
     data.update(overrides)
     return data
@@ -323,6 +325,7 @@ def test_resubmitting_the_add_form_does_not_create_a_second_key(client, django_u
         "user": admin_user.pk,
         "all_models": "on",
         "allowed_models": "",
+        "service_tiers": ["default", "flex"],
         "submission_token": "f" * 32,
     }
     first = client.post("/admin/accounts/apikey/add/", form)
@@ -340,11 +343,88 @@ def test_add_form_carries_a_fresh_submission_token(client, django_user_model):
     assert tokens[0] != tokens[1]
 
 
-def test_only_superusers_set_a_teams_storage_quota(client):
+def test_only_superusers_set_a_teams_storage_quota_and_weight(client):
     owner, team = _team_owner_staff(["view_team", "change_team"])
     change = reverse("admin:accounts_team_change", args=[team.pk])
     client.force_login(owner)
-    form = client.get(change).context["adminform"].form
-    assert "members_manage_keys" in form.fields and "response_storage_bytes" not in form.fields
+    page = client.get(change)
+    form = page.context["adminform"].form
+    assert "members_manage_keys" in form.fields
+    assert "response_storage_bytes" not in form.fields and "weight" not in form.fields
+    assert "Share of the engine while teams compete" in page.content.decode()  # shown, read-only
     client.force_login(StaffUserFactory())
-    assert "response_storage_bytes" in client.get(change).context["adminform"].form.fields
+    fields = client.get(change).context["adminform"].form.fields
+    assert "response_storage_bytes" in fields and "weight" in fields
+
+
+def _team_form(team, **overrides):
+    return {
+        "name": team.name,
+        "member_key_models": "[]",
+        "weight": "1",
+        "memberships-TOTAL_FORMS": "0",
+        "memberships-INITIAL_FORMS": "0",
+        "memberships-MIN_NUM_FORMS": "0",
+        "memberships-MAX_NUM_FORMS": "1000",
+        **overrides,
+    }
+
+
+def test_a_superuser_sets_a_teams_weight_between_1_and_1000(admin_client):
+    team = TeamFactory()
+    assert team.weight == 1
+    change = reverse("admin:accounts_team_change", args=[team.pk])
+    assert admin_client.post(change, _team_form(team, weight="5")).status_code == 302
+    team.refresh_from_db()
+    assert team.weight == 5
+    for weight in ("0", "1001"):
+        response = admin_client.post(change, _team_form(team, weight=weight))
+        assert "weight" in response.context["adminform"].form.errors
+    team.refresh_from_db()
+    assert team.weight == 5
+    assert ">5<" in admin_client.get(reverse("admin:accounts_team_changelist")).content.decode()
+
+
+def test_a_keys_service_tiers_are_checkboxes_and_priority_is_a_superusers_grant(
+    admin_client, client
+):
+    page = admin_client.get(ADD).content.decode()
+    for tier, checked in (("priority", False), ("default", True), ("flex", True)):
+        box = re.search(rf'<input[^>]*name="service_tiers" value="{tier}"[^>]*>', page)
+        assert box and 'type="checkbox"' in box.group(0), tier
+        assert ("checked" in box.group(0)) == checked, tier
+    membership = MembershipFactory()
+    form = _add_form(membership.team, membership.user, service_tiers=["flex", "priority"])
+    assert admin_client.post(ADD, form).status_code == 200  # the show-once page
+    granted = ApiKey.objects.get()
+    assert granted.service_tiers == ["priority", "flex"]
+    assert "priority, flex" in admin_client.get(CHANGELIST).content.decode()
+    # A team owner who is staff may not grant it (it goes before every team), nor check none.
+    owner, team = _team_owner_staff(["view_apikey", "add_apikey", "change_apikey"])
+    client.force_login(owner)
+    refused = client.post(ADD, _add_form(team, owner, service_tiers=["priority", "default"]))
+    assert refused.context["adminform"].form.errors["service_tiers"] == [
+        ERROR_PRIORITY_BY_SUPERUSER
+    ]
+    empty = client.post(ADD, _add_form(team, owner, service_tiers=[]))
+    assert "service_tiers" in empty.context["adminform"].form.errors
+    assert not ApiKey.objects.filter(team=team).exists()
+    # A key a superuser granted it keeps it through the owner's edits, or loses it.
+    kept = ApiKeyFactory(team=team, user=owner, service_tiers=["priority", "default"])
+    change = reverse("admin:accounts_apikey_change", args=[kept.pk])
+    edit = _add_form(team, owner, rpm="5", service_tiers=["priority", "default"])
+    assert client.post(change, edit).status_code == 302
+    kept.refresh_from_db()
+    assert (kept.rpm, kept.service_tiers) == (5, ["priority", "default"])
+    assert client.post(change, {**edit, "service_tiers": ["flex"]}).status_code == 302
+    kept.refresh_from_db()
+    assert kept.service_tiers == ["flex"]
+
+
+@pytest.mark.django_db
+def test_the_key_list_shows_tiers_only_where_they_differ_from_the_default():
+    admin_ = admin_site._registry[ApiKey]
+    plain = ApiKeyFactory(rpm=60)
+    granted = ApiKeyFactory(rpm=60, service_tiers=["priority", "default", "flex"])
+    assert admin_.limits(plain) == "rpm 60"
+    assert admin_.limits(granted) == "rpm 60 · tiers priority, default, flex"

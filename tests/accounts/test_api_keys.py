@@ -4,6 +4,7 @@ rules for keys members make themselves, and who may see which keys."""
 from datetime import timedelta
 
 import pytest
+from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from accounts import keys
@@ -93,8 +94,11 @@ def test_revoke_is_idempotent():
 
 @pytest.mark.django_db
 def test_rotate_copies_settings_and_revokes_the_old_key():
-    old, _ = api_key_with_raw(name="prod", rpm=1, tpm=2, max_parallel=3, budget_tokens=4)
+    old, _ = api_key_with_raw(
+        name="prod", rpm=1, tpm=2, max_parallel=3, budget_tokens=4, service_tiers=["priority"]
+    )
     new, raw = api_key_rotate(api_key=old)
+    assert new.service_tiers == ["priority"]
     assert keys.digest_matches(raw, new.digest)
     assert (new.name, new.rpm, new.tpm, new.max_parallel, new.budget_tokens) == (
         "prod",
@@ -180,6 +184,7 @@ def test_a_member_makes_keys_under_the_teams_rules_and_an_owner_without():
     api_key, raw = member_key_create(user=member.user, team=team, name="laptop")
     assert keys.digest_matches(raw, api_key.digest) and api_key.created_by == member.user
     assert (api_key.rpm, api_key.all_models, api_key.allowed_models) == (7, False, ["m1"])
+    assert api_key.service_tiers == ["default", "flex"]  # priority is granted in the admin only
     for _ in range(MEMBER_KEYS_MAX - 1):
         member_key_create(user=member.user, team=team)
     with pytest.raises(MemberKeyRefused) as caught:
@@ -189,6 +194,16 @@ def test_a_member_makes_keys_under_the_teams_rules_and_an_owner_without():
     for _ in range(MEMBER_KEYS_MAX + 1):
         own, _ = member_key_create(user=owner, team=team)
     assert own.rpm is None and own.all_models  # owners: no limits, no cap
+    assert own.service_tiers == ["default", "flex"]  # nor priority for an owner's own key
+
+
+@pytest.mark.django_db
+def test_a_keys_service_tiers_are_known_tiers_kept_highest_first():
+    api_key, _ = api_key_with_raw(service_tiers=["flex", "priority", "flex"])
+    assert ApiKey.objects.get(pk=api_key.pk).service_tiers == ["priority", "flex"]
+    for tiers in ([], ["scale"], ["default", "auto"]):
+        with pytest.raises(ValidationError):
+            api_key_with_raw(service_tiers=tiers)
 
 
 @pytest.mark.django_db

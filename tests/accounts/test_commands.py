@@ -69,7 +69,19 @@ def test_create_refuses_bad_limits():
         _create("--user", "carol", "--rpm", "0")
     with pytest.raises(CommandError):
         _create("--user", "carol", "--models", ",")
+    for tiers in ("scale", ","):
+        with pytest.raises(CommandError, match="--service-tiers"):
+            _create("--user", "carol", "--service-tiers", tiers)
     assert not ApiKey.objects.exists()
+
+
+def test_create_with_service_tiers():
+    _create("--user", "dana")
+    _create("--user", "dana", "--service-tiers", "flex, priority")
+    assert [k.service_tiers for k in ApiKey.objects.order_by("pk")] == [
+        ["default", "flex"],
+        ["priority", "flex"],
+    ]
 
 
 @pytest.mark.parametrize("form", ["prefix", "prefix…", "raw"])

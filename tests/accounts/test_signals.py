@@ -78,6 +78,7 @@ def test_the_team_pages_membership_inline(world):
     form = {
         "name": alpha.name,
         "member_key_models": "[]",
+        "weight": "1",
         "memberships-TOTAL_FORMS": str(len(rows)),
         "memberships-INITIAL_FORMS": str(len(rows)),
         "memberships-MIN_NUM_FORMS": "0",

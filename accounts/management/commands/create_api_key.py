@@ -1,9 +1,11 @@
 import argparse
 from datetime import timedelta
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from accounts.models import DEFAULT_SERVICE_TIERS
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
 
 
@@ -30,6 +32,11 @@ class Command(BaseCommand):
         parser.add_argument("--budget-tokens", type=_positive, help="monthly token budget")
         parser.add_argument("--expires-days", type=_positive, help="days until the key expires")
         parser.add_argument("--name", default="", help="label")
+        parser.add_argument(
+            "--service-tiers",
+            default=",".join(DEFAULT_SERVICE_TIERS),
+            help="comma-separated tiers its requests may use: priority, default, flex",
+        )
 
     def handle(self, *args, **options):
         models = None
@@ -42,17 +49,22 @@ class Command(BaseCommand):
         expires_at = None
         if options["expires_days"]:
             expires_at = timezone.now() + timedelta(days=options["expires_days"])
-        api_key, raw_key = api_key_create(
-            user=user,
-            team=team,
-            name=options["name"],
-            models=models,
-            rpm=options["rpm"],
-            tpm=options["tpm"],
-            max_parallel=options["max_parallel"],
-            budget_tokens=options["budget_tokens"],
-            expires_at=expires_at,
-        )
+        tiers = [t.strip() for t in options["service_tiers"].split(",") if t.strip()]
+        try:
+            api_key, raw_key = api_key_create(
+                user=user,
+                team=team,
+                name=options["name"],
+                models=models,
+                rpm=options["rpm"],
+                tpm=options["tpm"],
+                max_parallel=options["max_parallel"],
+                budget_tokens=options["budget_tokens"],
+                expires_at=expires_at,
+                service_tiers=tiers,
+            )
+        except ValidationError as exc:
+            raise CommandError(f"--service-tiers: {' '.join(exc.messages)}") from None
         self.stderr.write(
             f"Created key {api_key.prefix}… for {user} in team {team}. "
             "Store it now: it cannot be shown again."

@@ -21,9 +21,11 @@ from inference.api.anthropic import convert
 from inference.api.anthropic.events import MessageBuilder, stop_reason
 from inference.api.chat import requires_tool_call, tools_for_template
 from inference.api.serializers import (
+    ANTHROPIC_SERVICE_TIERS,
     CacheSaltField,
     IntField,
     NumberField,
+    ServiceTierField,
     StrictBooleanField,
     StrictCharField,
 )
@@ -39,6 +41,8 @@ from inference.services.output import GenerationFailed
 logger = logging.getLogger(__name__)
 
 ERROR_STREAM_FAILED = "The server had an error while streaming this response."
+# The tier a message was served in, by Anthropic's names (its usage's `service_tier`).
+USAGE_SERVICE_TIERS = {"priority": "priority", "default": "standard", "flex": "batch"}
 
 
 class CountTokensSerializer(serializers.Serializer):
@@ -58,6 +62,7 @@ class MessagesSerializer(CountTokensSerializer):
     top_k = IntField(required=False, allow_null=True)
     stream = StrictBooleanField(required=False, allow_null=True)
     metadata = serializers.DictField(required=False, allow_null=True)
+    service_tier = ServiceTierField(ANTHROPIC_SERVICE_TIERS)
     cache_salt = CacheSaltField()  # an Orchard extension (`extra_body` in the SDK)
 
 
@@ -89,11 +94,12 @@ def _call(data: dict[str, Any]) -> GenerationCall:
         parallel_tool_calls=parallel,
         require_tool_call=requires_tool_call(choice, tools),
         cache_salt=data.get("cache_salt"),
+        service_tiers=data["service_tier"],
     )
 
 
 def _counted_call(data: dict[str, Any]) -> GenerationCall:
-    return _call({**data, "max_tokens": 1})
+    return _call({**data, "max_tokens": 1, "service_tier": ANTHROPIC_SERVICE_TIERS["auto"]})
 
 
 def _usage(generation: Generation) -> dict[str, Any]:
@@ -104,6 +110,7 @@ def _usage(generation: Generation) -> dict[str, Any]:
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
         "output_tokens": usage["completion_tokens"],
+        "service_tier": USAGE_SERVICE_TIERS[generation.service_tier],
     }
 
 

@@ -1,7 +1,7 @@
 """The shape of a POST /v1/responses body. Items and tools are read by `items`; ranges and
 token ids by the generation service, as on every endpoint. Fields with no meaning here
-(`include`, `prompt_cache_key`, `client_metadata`, `service_tier`, `safety_identifier`,
-`stream_options`, ...) are accepted and ignored; unknown ones too, as OpenAI does."""
+(`include`, `prompt_cache_key`, `client_metadata`, `safety_identifier`, `stream_options`, ...)
+are accepted and ignored; unknown ones too, as OpenAI does."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from typing import Any
 from rest_framework import serializers
 
 from inference.api.serializers import (
+    OPENAI_SERVICE_TIERS,
     CacheSaltField,
     IntField,
     NumberField,
+    ServiceTierField,
     StrictBooleanField,
     StrictCharField,
     TemplateKwargsField,
@@ -48,6 +50,7 @@ class ResponseCreateSerializer(serializers.Serializer):
     )
     conversation = serializers.JSONField(required=False, allow_null=True)
     prompt = serializers.JSONField(required=False, allow_null=True)
+    service_tier = ServiceTierField(OPENAI_SERVICE_TIERS)
     # Orchard extensions (the same fields as on chat completions; `extra_body` in the SDKs).
     chat_template_kwargs = TemplateKwargsField()
     structured_outputs = serializers.DictField(required=False, allow_null=True)

@@ -112,11 +112,12 @@ def _call(data: dict[str, Any], conversation: list[dict[str, Any]]) -> Generatio
         parallel_tool_calls=data.get("parallel_tool_calls") is not False,
         require_tool_call=requires_tool_call(choice, tools),
         cache_salt=data.get("cache_salt"),
+        service_tiers=data["service_tier"],
     )
 
 
 def _response_object(
-    response_id: str, data: dict[str, Any], model: str, store: bool
+    response_id: str, data: dict[str, Any], generation: Generation, store: bool
 ) -> dict[str, Any]:
     reasoning = data.get("reasoning") or {}
     return {
@@ -130,13 +131,13 @@ def _response_object(
         "instructions": data.get("instructions"),
         "max_output_tokens": data.get("max_output_tokens"),
         "max_tool_calls": data.get("max_tool_calls"),
-        "model": model,
+        "model": generation.model,
         "output": [],
         "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
         "previous_response_id": data.get("previous_response_id"),
         "prompt_cache_key": data.get("prompt_cache_key"),
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-        "service_tier": "default",
+        "service_tier": generation.service_tier,
         "store": store,
         "temperature": data.get("temperature"),
         "text": _text_config(data),
@@ -217,7 +218,7 @@ async def responses_create(request: HttpRequest) -> HttpResponse:
             store=data.get("store") is not False,
         )
     builder = ResponseBuilder(
-        _response_object(input_items.new_id("resp"), data, run.generation.model, run.store),
+        _response_object(input_items.new_id("resp"), data, run.generation, run.store),
         input_items.template_tools(data.get("tools"))[1],
     )
     created = _Run(run, builder)

@@ -126,3 +126,25 @@ def test_out_of_range_times_are_a_400(live_server_url, usage_world):
     for start in (10**12, 10**20, -1):
         response = get(live_server_url, usage_world["reader"], start_time=start)
         assert response.status_code == 400 and response.json()["error"]["param"] == "start_time"
+
+
+def test_grouping_by_service_tier(usage_world):
+    usage_record_finished(
+        request_id="r-priority",
+        api_key=usage_world["key"],
+        model="m1",
+        endpoint="chat.completions",
+        status="completed",
+        started_at=timezone.now(),
+        prompt_tokens=3,
+        service_tier="priority",
+    )
+    owner = user_get_or_create(username="olive")
+    Membership.objects.create(team=usage_world["team"], user=owner, role=Membership.Role.OWNER)
+    client = Client()
+    client.force_login(owner)
+    body = client.get(URL, {"start_time": usage_world["start"], "group_by": "service_tier"}).json()
+    today = {r["service_tier"]: r["input_tokens"] for r in body["data"][-1]["results"]}
+    assert today == {"default": 10 + 20, "priority": 3}
+    plain = client.get(URL, {"start_time": usage_world["start"]}).json()
+    assert [r["service_tier"] for r in plain["data"][-1]["results"]] == [None]

@@ -7,6 +7,7 @@ from engine import (
     InvalidRequestError,
     ModelInfo,
     RenderedPrompt,
+    ServiceClass,
     completion_budget,
     validate_generation,
 )
@@ -14,23 +15,25 @@ from inference.models import ModelEntry
 from inference.services.generation import GenerationCall, Sizing, _sampling
 
 INFO = ModelInfo(name="m", context_length=4096, vocab_size=1000, eos_token_ids=(0,))
+SERVICE = ServiceClass(tenant="team:7", weight=3.0, principal="key:9", tier="flex")
 
 
 def sized(call, entry, prompt_lengths, **kwargs):
     sampling, limit = _sampling(call, entry)
     prompts = [RenderedPrompt(token_ids=(1,) * length) for length in prompt_lengths]
-    return Sizing("req", "m", prompts, sampling, limit, INFO, "team:7").requests(**kwargs)
+    return Sizing("req", "m", prompts, sampling, limit, INFO, "team:7", SERVICE).requests(**kwargs)
 
 
 def max_tokens(requests):
     return [request.sampling.max_tokens for request in requests]
 
 
-def test_every_request_of_a_call_carries_its_cache_scope():
+def test_every_request_of_a_call_carries_its_cache_scope_and_service_class():
     entry = ModelEntry(name="m")
     call = GenerationCall("completions", "m", (), "prompt", sampling={"max_tokens": 5})
     requests = sized(call, entry, [10, 20, 30])
     assert [r.cache_scope for r in requests] == ["team:7"] * 3
+    assert [r.service for r in requests] == [SERVICE] * 3
     assert requests[0].request_id != requests[1].request_id
 
 

@@ -38,7 +38,7 @@ def signed_in(user) -> Client:
     return client
 
 
-def used(api_key, model="m1", prompt=10, days_ago=0):
+def used(api_key, model="m1", prompt=10, days_ago=0, tier="default"):
     record = usage_record_finished(
         request_id=f"req-{api_key.pk}-{model}-{prompt}-{days_ago}",
         api_key=api_key,
@@ -47,6 +47,7 @@ def used(api_key, model="m1", prompt=10, days_ago=0):
         status="completed",
         started_at=timezone.now() - datetime.timedelta(days=days_ago),
         prompt_tokens=prompt,
+        service_tier=tier,
     )
     return record
 
@@ -121,7 +122,10 @@ def test_members_see_their_own_keys_and_create_one_shown_once(world):
     key = ApiKey.objects.get(name="laptop")
     assert key.user == world["member"] and key.rpm == 7  # the team's limits for member keys
     assert not key.all_models and key.allowed_models == ["m1"]
-    assert raw not in client.get(reverse("web-keys")).content.decode()  # shown once
+    assert key.service_tiers == ["default", "flex"]  # never priority: an admin grants that
+    listed = client.get(reverse("web-keys")).content.decode()
+    assert raw not in listed  # shown once
+    assert "<td>default, flex</td>" in listed
     # A resubmitted form creates no second key.
     client.post(
         reverse("web-keys"),
@@ -160,12 +164,15 @@ def test_revoking_own_keys_only_and_where_the_team_allows(world):
 
 def test_my_usage_shows_my_requests_in_the_range(world):
     used(world["keys"]["member"], "m1", 10)
-    used(world["keys"]["member"], "m2", 5, days_ago=3)
+    used(world["keys"]["member"], "m2", 5, days_ago=3, tier="flex")
     used(world["keys"]["colleague"], "m1", 1000)
     client = signed_in(world["member"])
     page = client.get(reverse("web-usage")).content.decode()
     assert "2 requests · 15 prompt tokens" in page
     assert "m2" in page and "1000" not in page
+    by_tier = page.split('id="usage-by-tier"')[1].split("</table>")[0]
+    assert "<td>default</td><td>1</td><td>10</td>" in by_tier
+    assert "<td>flex</td><td>1</td><td>5</td>" in by_tier
     today = timezone.now().date().isoformat()
     narrowed = client.get(reverse("web-usage"), {"since": today, "until": today}).content.decode()
     assert "1 requests · 10 prompt tokens" in narrowed
@@ -173,7 +180,7 @@ def test_my_usage_shows_my_requests_in_the_range(world):
 
 def test_team_reports_for_owners_only_and_csv_equals_the_page(world):
     used(world["keys"]["member"], "m1", 10)
-    used(world["keys"]["colleague"], "m2", 30)
+    used(world["keys"]["colleague"], "m2", 30, tier="priority")
     used(world["keys"]["stranger"], "m1", 999)
     url = reverse("web-team-report", args=[world["team"].pk])
     assert signed_in(world["member"]).get(url).status_code == 404
@@ -181,6 +188,8 @@ def test_team_reports_for_owners_only_and_csv_equals_the_page(world):
     owner = signed_in(world["owner"])
     page = owner.get(url).content.decode()
     assert "2 requests · 40 prompt tokens" in page and "999" not in page
+    tiers = page.split('id="report-tiers"')[1].split("</ul>")[0]
+    assert "<li>priority: 30 tokens</li>" in tiers and "<li>default: 10 tokens</li>" in tiers
     assert "<svg" in page and "<rect" in page
     filtered = owner.get(url, {"member": "carl"}).content.decode()
     assert "1 requests · 30 prompt tokens" in filtered
@@ -189,9 +198,10 @@ def test_team_reports_for_owners_only_and_csv_equals_the_page(world):
             io.StringIO(owner.get(url, {"member": "carl", "format": "csv"}).content.decode())
         )
     )
-    assert rows[0][:4] == ["day", "model", "key", "member"]
-    assert [r[1] for r in rows[1:-1]] == ["m2"] and rows[1][3] == "carl" and rows[1][5] == "30"
-    assert rows[-1][0] == "total" and rows[-1][5] == "30"
+    assert rows[0][:7] == ["day", "model", "key", "member", "tier", "requests", "prompt_tokens"]
+    assert [r[1] for r in rows[1:-1]] == ["m2"] and rows[1][3] == "carl" and rows[1][6] == "30"
+    assert rows[1][4] == "priority"
+    assert rows[-1][0] == "total" and rows[-1][6] == "30"
     assert b"alpha" in owner.get(reverse("web-teams")).content
 
 

@@ -19,7 +19,9 @@ BODY = {"text": {"format": {"type": "text"}}}
 
 async def run_for(monkeypatch, request_id, *, store=True):
     generation = await start_generation(monkeypatch, engine_failing_with("error"), request_id)
-    builder = ResponseBuilder(views._response_object(f"resp_{request_id}", BODY, "m", store), {})
+    builder = ResponseBuilder(
+        views._response_object(f"resp_{request_id}", BODY, generation, store), {}
+    )
     conversation = Conversation([{"id": "msg_1", "type": "message", "role": "user", "content": []}])
     run = ResponseRun(generation.execution.settlement.api_key, generation, conversation, store)
     return views._Run(run, builder)
