@@ -15,7 +15,7 @@ closed loop: a request of 32 prompt tokens, and when it finishes, the next. Gree
    each team's generated tokens/s over `--seconds`. Target: within 10% of its weighted share.
 3. A `priority` request's time to first token (one at a time, `--rounds` times) while 96
    `flex` streams fill the batch, against the idle engine's. Target: within 1.5x.
-4. Total throughput of 96 streams of two teams with the policy against arrival order (two runs
+4. Total throughput of 96 streams of two teams with the policy against arrival order (three runs
    of each, alternated). Target: at least 95%.
 
 Results go in bench/RESULTS.md.
@@ -40,7 +40,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
-from bench.results import run_header, write_results  # noqa: E402
+from bench.results import load_average, run_header, write_results  # noqa: E402
 from engine.core.batched import BatchedEngine  # noqa: E402
 from engine.models.loader import LoadedModel, load_model  # noqa: E402
 from engine.protocol import (  # noqa: E402
@@ -248,6 +248,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = model()
     started = time.monotonic()
+    load_before = load_average()
     p50 = statistics.median
 
     ttft = {
@@ -264,9 +265,9 @@ def main() -> None:
     idle = priority_ttft(loaded, args.rounds, busy=False)
     busy = priority_ttft(loaded, args.rounds, busy=True)
     print(f"priority first token idle {p50(idle):.3f} s, beside flex {p50(busy):.3f} s", flush=True)
-    # Alternated, twice each: runs of the same configuration here differ by up to 20%.
+    # Alternated, three times each: runs of the same configuration here differ by up to 20%.
     fair_runs, fifo_runs = [], []
-    for _ in range(2):
+    for _ in range(3):
         fair_runs.append(throughput(loaded, args.seconds, fair_share=True))
         fifo_runs.append(throughput(loaded, args.seconds, fair_share=False))
     fair_tps, fifo_tps = statistics.mean(fair_runs), statistics.mean(fifo_runs)
@@ -274,7 +275,11 @@ def main() -> None:
 
     ratio_96 = p50(ttft["beside 96"]) / p50(ttft["beside 32"])
     lines = [
-        *run_header("fairness.py", f", nothing else running; {time.monotonic() - started:.0f} s."),
+        *run_header(
+            "fairness.py",
+            f"; load average {load_before} before the run, {load_average()} after; "
+            f"{time.monotonic() - started:.0f} s.",
+        ),
         "",
         "| team B's 4 requests (time to first token) | p50 (s) | max (s) |",
         "| --- | --- | --- |",
@@ -301,7 +306,7 @@ def main() -> None:
         f"`flex` streams p50 {p50(busy):.3f} s (max {max(busy):.3f} s): {ratio_tier:.2f}x "
         f"(target <= 1.5x): {'pass' if ratio_tier <= 1.5 else 'FAIL'}.",
         "",
-        f"Throughput of 96 streams (48 per team), two runs each, alternated: fair share "
+        f"Throughput of 96 streams (48 per team), three runs each, alternated: fair share "
         f"{' / '.join(f'{t:.1f}' for t in fair_runs)} tokens/s, arrival order "
         f"{' / '.join(f'{t:.1f}' for t in fifo_runs)}; means {ratio_tps:.1%} (target >= 95%): "
         f"{'pass' if ratio_tps >= 0.95 else 'FAIL'}.",
