@@ -120,7 +120,11 @@ class BatchedEngine(EngineLoop):
                     self._fail_running(describe(exc))
             elif self._draining:
                 return
-            self._publish(self.scheduler.num_waiting, self.scheduler.num_running_seqs)
+            self._publish(
+                self.scheduler.num_waiting,
+                self.scheduler.num_running_seqs,
+                self.scheduler.num_prefilling,
+            )
             self.tenants = self.scheduler.tenant_stats()  # a new dict: read by stats()
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:

@@ -76,6 +76,7 @@ class EngineLoop:
         self._num_queued = 0  # submitted, not yet seen by the engine thread
         self._num_waiting = 0  # seen, not yet running (published by the engine thread)
         self._num_running = 0
+        self._num_prefilling = 0  # running requests still prefilling (the engine thread's)
         self._closing = False  # set by drain or the loop ending: submit refuses from then on
         self._draining = False  # engine thread only
         self.leftover: list = []  # commands taken with a STOP, after it (engine thread only)
@@ -148,6 +149,12 @@ class EngineLoop:
             self._num_queued += 1
             # Under the lock, so a request is queued before the loop's end drains the inbox.
             self._inbox.put(("add", (spec, emit, max_tokens)))
+
+    def first_tokens_pending(self) -> bool:
+        """Whether a request is queued, waiting or prefilling: someone waits for a first token
+        (thread-safe; a step old at worst)."""
+        with self._lock:
+            return bool(self._num_queued or self._num_waiting or self._num_prefilling)
 
     def has_requests(self) -> bool:
         """Whether any request is queued, waiting or running (thread-safe)."""
@@ -299,9 +306,10 @@ class EngineLoop:
                 self._num_queued -= added
         return commands
 
-    def _publish(self, num_waiting: int, num_running: int) -> None:
+    def _publish(self, num_waiting: int, num_running: int, num_prefilling: int = 0) -> None:
         with self._lock:
             self._num_waiting, self._num_running = num_waiting, num_running
+            self._num_prefilling = num_prefilling
 
     def accept(self, sampled: Sampled) -> None:
         """Record one sampled token: stop checks, text, and the event for the caller."""
