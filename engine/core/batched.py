@@ -124,6 +124,7 @@ class BatchedEngine(EngineLoop):
                 self.scheduler.num_waiting,
                 self.scheduler.num_running_seqs,
                 self.scheduler.num_prefilling,
+                self.scheduler.waiting,
             )
             self.tenants = self.scheduler.tenant_stats()  # a new dict: read by stats()
 

@@ -19,7 +19,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
@@ -75,6 +76,9 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._num_queued = 0  # submitted, not yet seen by the engine thread
         self._num_waiting = 0  # seen, not yet running (published by the engine thread)
+        # The same per tenant (ServiceClass.tenant): the waiting queue is shared fairly.
+        self._queued_tenants: Counter[str] = Counter()
+        self._waiting_tenants: Mapping[str, int] = {}
         self._num_running = 0
         self._num_prefilling = 0  # running requests still prefilling (the engine thread's)
         self._closing = False  # set by drain or the loop ending: submit refuses from then on
@@ -144,11 +148,25 @@ class EngineLoop:
         with self._lock:
             if self._closing:
                 raise ModelNotLoadedError(f"The model {self.spec.name!r} is not loaded.")
-            if self._num_queued + self._num_waiting >= self.spec.max_waiting:
+            if self._queue_full(spec.service.tenant):
                 raise EngineOverloadedError(f"Model {self.spec.name} is overloaded; retry later.")
             self._num_queued += 1
+            self._queued_tenants[spec.service.tenant] += 1
             # Under the lock, so a request is queued before the loop's end drains the inbox.
             self._inbox.put(("add", (spec, emit, max_tokens)))
+
+    def _queue_full(self, tenant: str) -> bool:
+        """Under the lock: whether a request of `tenant` finds the waiting queue full. The queue
+        holds `max_waiting` requests; past that a tenant may still queue up to its share of
+        `max_waiting` among the tenants waiting (itself included), so one team's flood never
+        locks the others out (at most twice `max_waiting` wait in all)."""
+        limit = self.spec.max_waiting
+        if self._num_queued + self._num_waiting < limit:
+            return False
+        waiting = Counter(self._waiting_tenants)
+        waiting.update(self._queued_tenants)
+        tenants = {t for t, n in waiting.items() if n > 0} | {tenant}
+        return waiting[tenant] >= limit / len(tenants)
 
     def first_tokens_pending(self) -> bool:
         """Whether a request is queued, waiting or prefilling: someone waits for a first token
@@ -300,16 +318,28 @@ class EngineLoop:
                 commands.append(self._inbox.get_nowait())
         except queue.Empty:
             pass
-        added = sum(1 for kind, _ in commands if kind == "add")
+        added = [payload[0].service.tenant for kind, payload in commands if kind == "add"]
         if added:
             with self._lock:
-                self._num_queued -= added
+                self._num_queued -= len(added)
+                self._queued_tenants.subtract(added)
+                self._queued_tenants += Counter()  # drops the tenants at zero
         return commands
 
-    def _publish(self, num_waiting: int, num_running: int, num_prefilling: int = 0) -> None:
+    def _publish(
+        self,
+        num_waiting: int,
+        num_running: int,
+        num_prefilling: int = 0,
+        waiting: Iterable[Request] = (),
+    ) -> None:
+        """The engine thread's counts, for other threads: requests waiting (`waiting`, to
+        count them per tenant), rows running, requests prefilling."""
+        tenants = Counter(request.spec.service.tenant for request in waiting)
         with self._lock:
             self._num_waiting, self._num_running = num_waiting, num_running
             self._num_prefilling = num_prefilling
+            self._waiting_tenants = tenants
 
     def accept(self, sampled: Sampled) -> None:
         """Record one sampled token: stop checks, text, and the event for the caller."""

@@ -296,3 +296,31 @@ def test_a_higher_tiers_prefill_runs_alone_but_never_two_steps_running():
     sched.add(request("p3", "B", tier="priority", num_prompt=20, max_tokens=4))
     _, plan = step(sched)
     assert plan.decode
+
+
+def test_a_full_waiting_queue_still_takes_another_teams_requests(tiny_llama):
+    """max_waiting is shared fairly: past it a tenant may queue its share (engine/core/loop.py);
+    one team's flood does not lock the others out."""
+    from engine.core.batched import BatchedEngine
+    from engine.protocol import EngineOverloadedError
+    from tests.engine.conftest import manual_engine
+
+    engine = manual_engine(tiny_llama, BatchedEngine, max_waiting=4)  # no thread: all stay queued
+
+    def submit(rid: str, tenant: str) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        spec = GenerationRequest(rid, "tiny", (1, 2, 3), params, service=ServiceClass(tenant))
+        engine.submit(spec, lambda output: None)
+
+    for i in range(4):
+        submit(f"a{i}", "A")
+    with pytest.raises(EngineOverloadedError):
+        submit("a4", "A")
+    submit("b0", "B")  # B holds nothing: under its share of the queue (4 / 2)
+    submit("b1", "B")
+    with pytest.raises(EngineOverloadedError):
+        submit("b2", "B")
+    submit("c0", "C")  # a third team: its share is 4 / 3
+    submit("c1", "C")
+    with pytest.raises(EngineOverloadedError):
+        submit("c2", "C")
