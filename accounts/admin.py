@@ -8,17 +8,30 @@ raw key: one pasted into a search box is cut to its prefix before the page is bu
 """
 
 import uuid
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.contrib.admin.views.main import SEARCH_VAR
+from django.contrib.admin.widgets import AdminSplitDateTime
+from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.contrib.auth.tokens import default_token_generator
+from django.core.exceptions import PermissionDenied
 from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
+from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
+from django.utils.encoding import force_bytes
+from django.utils.html import format_html_join
+from django.utils.http import urlsafe_base64_encode
+from django.utils.safestring import mark_safe
 
 from accounts import keys
+from accounts.limits import key_use
 from accounts.models import (
     DEFAULT_SERVICE_TIERS,
     ApiKey,
@@ -34,9 +47,11 @@ from accounts.selectors import (
     teams_visible_to,
 )
 from accounts.services import (
+    Invitation,
     api_key_create,
     api_key_revoke,
     api_key_rotate,
+    member_invite,
     service_tiers_ordered,
 )
 
@@ -50,6 +65,15 @@ SERVICE_TIER_CHOICES = [
     ("flex", "flex: served after the other tiers"),
 ]
 SHOW_ONCE_TEMPLATE = "admin/accounts/apikey/show_once.html"
+INVITE_TEMPLATE = "admin/accounts/team/invite.html"
+INVITED_TEMPLATE = "admin/accounts/team/invited.html"
+ERROR_PASSWORD_OF_EXISTING = (
+    "{username} already has an account: leave the password empty (it stays theirs)."
+)
+ERROR_ADDS_NO_USERS = (
+    "There is no account {username}, and you may not create accounts: ask an administrator, "
+    "or invite an existing user."
+)
 ERROR_ALREADY_CREATED = (
     "This form was already submitted: it created key {prefix}…, whose secret was shown once. "
     "Rotate that key if the secret was lost; open a new form to create another key."
@@ -118,14 +142,83 @@ class VisibleTeamFilter(admin.RelatedFieldListFilter):
         return [(team.pk, str(team)) for team in teams_visible_to(user=request.user)]
 
 
+# What the model pickers offer: accounts holds model names but cannot read the registry
+# (docs/architecture.md), so inference's admin hands it a reader (inference/admin/pickers.py).
+_model_names: Callable[[], Iterable[str]] = tuple
+
+
+def model_names_source(source: Callable[[], Iterable[str]]) -> None:
+    """Where the model pickers take the registered models' names from."""
+    global _model_names
+    _model_names = source
+
+
+class ModelPickerField(forms.MultipleChoiceField):
+    """Model names as checkboxes of the registered models: a name that is not one is refused.
+    `offer` adds the names a value already holds, so that a model removed from the registry
+    still shows (ticked) on the keys and teams that name it, and can be unticked."""
+
+    widget = forms.CheckboxSelectMultiple
+
+    def offer(self, held: Iterable[str] = ()) -> None:
+        names = sorted({*_model_names(), *held})
+        self.choices = [(name, name) for name in names]
+        if not names:
+            self.help_text = f"{self.help_text} No model is registered yet.".strip()
+
+    def to_python(self, value) -> list[str]:
+        return [name for name in super().to_python(value) if name]  # "" from an empty post
+
+    def clean(self, value) -> list[str]:
+        return sorted(set(super().clean(value)))
+
+
+class TeamForm(forms.ModelForm):
+    member_key_models = ModelPickerField(
+        required=False,
+        label="Models of keys members create",
+        help_text="None ticked: every model.",
+    )
+
+    class Meta:
+        model = Team
+        fields = [
+            "name",
+            "members_manage_keys",
+            "member_key_models",
+            "member_key_rpm",
+            "member_key_tpm",
+            "member_key_budget_tokens",
+            "response_storage_bytes",
+            "weight",
+        ]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["member_key_models"].offer(self.instance.member_key_models or ())
+
+
+class LabelledInlineFormSet(forms.BaseInlineFormSet):
+    """A tabular inline's inputs sit under column headings, with no label of their own: each
+    gets its field's name as its accessible name (screen readers, axe-core)."""
+
+    def add_fields(self, form, index):
+        super().add_fields(form, index)
+        for field in form.fields.values():
+            field.widget.attrs.setdefault("aria-label", str(field.label))
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
+    formset = LabelledInlineFormSet
     extra = 1
-    autocomplete_fields = ["user"]
+    # Not autocomplete: its select2 box has no accessible name (the user's id, with a lookup).
+    raw_id_fields = ["user"]
 
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
+    form = TeamForm
     list_display = ["name", "weight", "created_at"]
     search_fields = ["name"]
     inlines = [MembershipInline]
@@ -139,6 +232,58 @@ class TeamAdmin(admin.ModelAdmin):
         if request.user.is_superuser:
             return ()
         return ("response_storage_bytes", "weight")
+
+    def get_urls(self):
+        invite = path(
+            "invite/", self.admin_site.admin_view(self.invite_view), name="accounts_team_invite"
+        )
+        return [invite, *super().get_urls()]
+
+    def invite_view(self, request):
+        """One screen for a new member: the account, the membership and the first key, made
+        together (accounts.services.member_invite); the key and a set-password link are then
+        shown once."""
+        if not may_invite(request.user):
+            raise PermissionDenied
+        teams = teams_owned_by(user=request.user)
+        may_add_users = request.user.has_perm("auth.add_user")
+        key_form_class = invite_key_form(may_grant_priority=request.user.is_superuser)
+        if request.method == "POST":
+            form = InviteForm(request.POST, teams=teams, may_add_users=may_add_users)
+            key_form = key_form_class(request.POST, prefix="key")
+            if form.is_valid() and (not form.cleaned_data["issue_key"] or key_form.is_valid()):
+                data = form.cleaned_data
+                invitation = member_invite(
+                    team=data["team"],
+                    username=data["username"],
+                    email=data["email"],
+                    password=data["password"] or None,
+                    role=data["role"],
+                    key=key_arguments(key_form.cleaned_data) if data["issue_key"] else None,
+                    created_by=request.user,
+                )
+                return invited_response(request, invitation)
+        else:
+            form = InviteForm(
+                initial={"team": request.GET.get("team")}, teams=teams, may_add_users=may_add_users
+            )
+            key_form = key_form_class(prefix="key")
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Invite a member",
+            "opts": Team._meta,
+            "form": form,
+            "key_form": key_form,
+            # Laid out as the admin lays out its own forms.
+            "fieldsets": [
+                helpers.AdminForm(form, [("Member", {"fields": list(form.fields)})], {}),
+                helpers.AdminForm(
+                    key_form, [("Their API key", {"fields": list(key_form.fields)})], {}
+                ),
+            ],
+            "media": self.media + form.media + key_form.media,
+        }
+        return TemplateResponse(request, INVITE_TEMPLATE, context)
 
 
 @admin.register(Membership)
@@ -177,22 +322,13 @@ class MembershipAdmin(admin.ModelAdmin):
         )
 
 
-class ModelNamesField(forms.CharField):
-    def prepare_value(self, value):
-        return ", ".join(value) if isinstance(value, list | tuple) else value
-
-    def to_python(self, value):
-        return sorted({name.strip() for name in (value or "").split(",") if name.strip()})
-
-
 def _new_creation_token() -> str:
     return uuid.uuid4().hex
 
 
 class ApiKeyForm(forms.ModelForm):
-    allowed_models = ModelNamesField(
-        required=False,
-        help_text="Comma-separated model names; used when 'all models' is off.",
+    allowed_models = ModelPickerField(
+        required=False, help_text="The models the key may use when 'all models' is off."
     )
     service_tiers = forms.MultipleChoiceField(
         choices=SERVICE_TIER_CHOICES,
@@ -220,10 +356,20 @@ class ApiKeyForm(forms.ModelForm):
             "tpm",
             "max_parallel",
             "budget_tokens",
+            "max_output_tokens",
             "expires_at",
             "reads_usage",
             "service_tiers",
         ]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["allowed_models"].offer(self.instance.allowed_models or ())
+        expiry = self.fields.get("expires_at")
+        if expiry is not None and isinstance(expiry.widget, forms.MultiWidget):
+            # The admin's date and time boxes are labelled by plain text: name them.
+            for widget, part in zip(expiry.widget.widgets, ("date", "time"), strict=False):
+                widget.attrs["aria-label"] = f"Expires at ({part})"
 
     def clean_service_tiers(self) -> list[str]:
         tiers = service_tiers_ordered(self.cleaned_data["service_tiers"])
@@ -245,6 +391,24 @@ class ApiKeyForm(forms.ModelForm):
         if not cleaned.get("all_models") and not cleaned.get("allowed_models"):
             self.add_error("allowed_models", "Name at least one model, or allow all models.")
         return cleaned
+
+
+def key_arguments(data: dict) -> dict:
+    """api_key_create's arguments from a valid ApiKeyForm's data, but the user, the team and
+    the creator."""
+    return {
+        "name": data["name"],
+        "models": None if data["all_models"] else data["allowed_models"],
+        "rpm": data["rpm"],
+        "tpm": data["tpm"],
+        "max_parallel": data["max_parallel"],
+        "budget_tokens": data["budget_tokens"],
+        "max_output_tokens": data["max_output_tokens"],
+        "expires_at": data["expires_at"],
+        "reads_usage": data.get("reads_usage", False),
+        "service_tiers": data["service_tiers"],
+        "creation_token": data.get("submission_token") or None,
+    }
 
 
 class StatusFilter(admin.SimpleListFilter):
@@ -307,7 +471,22 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         # A key's team and user are part of its identity for usage and budgets.
-        return [*self.readonly_fields, "team", "user"] if obj else self.readonly_fields
+        if obj is None:
+            return self.readonly_fields
+        return [*self.readonly_fields, "team", "user", "used"]
+
+    def get_fields(self, request, obj=None):
+        # What the key used, right under its limits.
+        fields = [name for name in super().get_fields(request, obj) if name != "used"]
+        if obj is not None:
+            fields.insert(
+                fields.index("budget_tokens") + 1 if "budget_tokens" in fields else 0, "used"
+            )
+        return fields
+
+    @admin.display(description="used now")
+    def used(self, obj: ApiKey) -> str:
+        return format_html_join(mark_safe("<br>"), "{}", ((p,) for p in key_use(obj).phrases()))
 
     def get_form(self, request, obj=None, **kwargs):
         form = super().get_form(request, obj, **kwargs)
@@ -353,6 +532,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
                 ("tpm", obj.tpm),
                 ("parallel", obj.max_parallel),
                 ("budget", obj.budget_tokens),
+                ("output", obj.max_output_tokens),
             )
             if value is not None
         ]
@@ -371,19 +551,7 @@ class ApiKeyAdmin(KeySearchMixin, admin.ModelAdmin):
             return
         data = form.cleaned_data
         api_key, raw_key = api_key_create(
-            user=data["user"],
-            team=data["team"],
-            name=data["name"],
-            models=None if data["all_models"] else data["allowed_models"],
-            rpm=data["rpm"],
-            tpm=data["tpm"],
-            max_parallel=data["max_parallel"],
-            budget_tokens=data["budget_tokens"],
-            expires_at=data["expires_at"],
-            reads_usage=data.get("reads_usage", False),
-            service_tiers=data["service_tiers"],
-            created_by=request.user,
-            creation_token=data.get("submission_token") or None,
+            user=data["user"], team=data["team"], created_by=request.user, **key_arguments(data)
         )
         # The admin logs and redirects with `obj`; make it the key the service created.
         for field in ApiKey._meta.concrete_fields:
@@ -432,3 +600,104 @@ class ApiKeyMonthlyUsageAdmin(KeySearchMixin, ReadOnlyAdmin):
     def get_queryset(self, request):
         keys = api_keys_visible_to(user=request.user)
         return super().get_queryset(request).filter(api_key__in=keys)
+
+
+def may_invite(user) -> bool:
+    """Staff who may add memberships and keys, in a team they own (superusers: any team)."""
+    perms = ("accounts.add_membership", "accounts.add_apikey")
+    return user.has_perms(perms) and owns_team(user, None)
+
+
+class InviteForm(forms.Form):
+    team = forms.ModelChoiceField(queryset=Team.objects.none())
+    username = forms.CharField(
+        max_length=150, help_text="An existing account, or a new one made now."
+    )
+    email = forms.EmailField(required=False, help_text="For a new account.")
+    password = forms.CharField(
+        required=False,
+        strip=False,
+        widget=forms.PasswordInput(attrs={"autocomplete": "new-password"}),
+        help_text="For a new account. Empty: the next page shows a one-time link where they "
+        "set their own.",
+    )
+    role = forms.ChoiceField(choices=Membership.Role.choices, initial=Membership.Role.MEMBER)
+    issue_key = forms.BooleanField(required=False, initial=True, label="Issue an API key")
+
+    def __init__(self, *args, teams, may_add_users: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["team"].queryset = teams
+        self.may_add_users = may_add_users
+
+    def clean_username(self) -> str:
+        username = self.cleaned_data["username"].strip()
+        get_user_model().username_validator(username)
+        return username
+
+    def clean(self):
+        cleaned = super().clean()
+        username, password = cleaned.get("username"), cleaned.get("password")
+        if not username:
+            return cleaned
+        user_model = get_user_model()
+        if user_model.objects.filter(username=username).exists():
+            if password:
+                self.add_error("password", ERROR_PASSWORD_OF_EXISTING.format(username=username))
+        elif not self.may_add_users:
+            self.add_error("username", ERROR_ADDS_NO_USERS.format(username=username))
+        elif password:
+            try:
+                validate_password(password, user_model(username=username))
+            except forms.ValidationError as exc:
+                self.add_error("password", exc)
+        return cleaned
+
+
+def invite_key_form(*, may_grant_priority: bool) -> type[ApiKeyForm]:
+    """The key's half of the invite form: the key form without its team and user (the invite
+    names them)."""
+    form = forms.modelform_factory(
+        ApiKey,
+        form=ApiKeyForm,
+        fields=[
+            "name",
+            "all_models",
+            "allowed_models",
+            "rpm",
+            "tpm",
+            "max_parallel",
+            "budget_tokens",
+            "max_output_tokens",
+            "expires_at",
+            "service_tiers",
+        ],
+        widgets={"expires_at": AdminSplitDateTime},
+        field_classes={"expires_at": forms.SplitDateTimeField},
+    )
+    form.may_grant_priority = may_grant_priority
+    return form
+
+
+def invited_response(request, invitation: Invitation):
+    """The invite's result, with the key's secret and the set-password link: like a new key's
+    page, rendered once and never stored."""
+    user = invitation.user
+    password_link = None
+    if not user.has_usable_password():
+        uid = urlsafe_base64_encode(force_bytes(user.pk))
+        token = default_token_generator.make_token(user)
+        password_link = request.build_absolute_uri(reverse("web-password-set", args=[uid, token]))
+    response = TemplateResponse(
+        request,
+        INVITED_TEMPLATE,
+        {
+            **admin.site.each_context(request),
+            "title": f"{user} invited to {invitation.membership.team}",
+            "opts": Team._meta,
+            "invitation": invitation,
+            "password_link": password_link,
+            "base_url": request.build_absolute_uri("/v1").rstrip("/"),
+        },
+    )
+    add_never_cache_headers(response)
+    return response

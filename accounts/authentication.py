@@ -39,7 +39,7 @@ def authenticate_header(header: str | None) -> ApiKey:
         raise AuthenticationError(ERROR_INVALID)
     membership = Membership.objects.filter(team_id=OuterRef("team_id"), user_id=OuterRef("user_id"))
     api_key = (
-        ApiKey.objects.select_related("team", "user")
+        ApiKey.objects.select_related("team", "user", "parent")
         .annotate(user_is_member=Exists(membership))
         .filter(prefix=keys.lookup_prefix(raw_key))
         .first()
@@ -50,6 +50,8 @@ def authenticate_header(header: str | None) -> ApiKey:
         raise AuthenticationError(ERROR_REVOKED)
     if api_key.is_expired:
         raise AuthenticationError(ERROR_EXPIRED)
+    if api_key.parent is not None and not api_key.parent.is_active:
+        raise AuthenticationError(ERROR_REVOKED)  # a playground key ends with its key
     if not api_key.user.is_active:
         raise AuthenticationError(ERROR_INVALID)
     if not api_key.user_is_member:

@@ -139,6 +139,14 @@ class ApiKey(models.Model):
     tpm = models.PositiveIntegerField("tokens per minute", null=True, blank=True)
     max_parallel = models.PositiveIntegerField("max parallel requests", null=True, blank=True)
     budget_tokens = models.PositiveBigIntegerField("monthly token budget", null=True, blank=True)
+    max_output_tokens = models.PositiveIntegerField(
+        "output token ceiling",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="The most one request may generate (max_tokens); more is a 400. Under the "
+        "model's own ceiling and default, which it lowers for this key.",
+    )
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
@@ -147,6 +155,17 @@ class ApiKey(models.Model):
     # finds its key instead of creating a second one that nobody has seen.
     creation_token = models.CharField(
         max_length=32, null=True, blank=True, unique=True, editable=False
+    )
+    # A playground key (the members' playground page) is made from a key the member holds: it
+    # spends that key's limits and budget, and ends with it (accounts/limits, authentication).
+    parent = models.ForeignKey(
+        "self",
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        editable=False,
+        related_name="playground_keys",
+        verbose_name="playground key of",
     )
 
     objects = ApiKeyQuerySet.as_manager()

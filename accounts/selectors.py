@@ -11,7 +11,8 @@ Visibility rules (one place, so the admin, reports and APIs agree):
 import datetime
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import Q, QuerySet
+from django.db.models import Count, Q, QuerySet, Sum
+from django.utils import timezone
 
 from accounts.models import ApiKey, ApiKeyMonthlyUsage, Membership, Team
 
@@ -21,9 +22,12 @@ def month_start(day: datetime.date) -> datetime.date:
 
 
 def api_key_month_tokens(*, api_key_id: int, month: datetime.date) -> int:
-    """Tokens the key used in the calendar month starting at `month` (finished requests only)."""
-    row = ApiKeyMonthlyUsage.objects.filter(api_key_id=api_key_id, month=month).first()
-    return row.tokens if row else 0
+    """Tokens the key used in the calendar month starting at `month` (finished requests only),
+    its playground keys' included: they spend its budget."""
+    rows = ApiKeyMonthlyUsage.objects.filter(month=month).filter(
+        Q(api_key_id=api_key_id) | Q(api_key__parent_id=api_key_id)
+    )
+    return rows.aggregate(tokens=Sum("tokens"))["tokens"] or 0
 
 
 def teams_visible_to(*, user: AbstractBaseUser) -> QuerySet[Team]:
@@ -38,6 +42,26 @@ def teams_owned_by(*, user: AbstractBaseUser) -> QuerySet[Team]:
     return Team.objects.filter(
         memberships__user=user, memberships__role=Membership.Role.OWNER
     ).distinct()
+
+
+def team_summaries_owned_by(*, user: AbstractBaseUser) -> QuerySet[Team]:
+    """The teams the user owns (superusers: every team), each with `num_members` and
+    `num_active_keys` (playground keys not counted)."""
+    now = timezone.now()
+    active = Q(
+        api_keys__revoked_at__isnull=True,
+        api_keys__parent__isnull=True,
+    ) & (Q(api_keys__expires_at__isnull=True) | Q(api_keys__expires_at__gt=now))
+    # Counted over a subquery of the owned teams: counting over the filter's own join would
+    # count only the user's owner memberships.
+    return (
+        Team.objects.filter(pk__in=teams_owned_by(user=user).values("pk"))
+        .annotate(
+            num_members=Count("memberships", distinct=True),
+            num_active_keys=Count("api_keys", filter=active, distinct=True),
+        )
+        .order_by("name")
+    )
 
 
 def teams_for_new_keys(*, user: AbstractBaseUser) -> QuerySet[Team]:
@@ -66,3 +90,14 @@ def api_keys_managed_by(*, user: AbstractBaseUser) -> QuerySet[ApiKey]:
     if user.is_superuser:
         return ApiKey.objects.all()
     return ApiKey.objects.filter(team__in=teams_owned_by(user=user))
+
+
+def playground_parent_keys(*, user: AbstractBaseUser) -> QuerySet[ApiKey]:
+    """The keys the playground may make a key from: the user's own active keys, not playground
+    keys themselves."""
+    return (
+        ApiKey.objects.active()
+        .filter(user=user, parent__isnull=True)
+        .select_related("team")
+        .order_by("team__name", "-created_at")
+    )

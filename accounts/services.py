@@ -1,8 +1,10 @@
 """Writes for teams, memberships and API keys, the rules for the keys members make themselves
 (the members' pages), and the sign-in throttle's counters in the database."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import date, datetime, timedelta
+from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
@@ -20,7 +22,7 @@ from accounts.models import (
     Team,
     validate_service_tiers,
 )
-from accounts.selectors import teams_for_new_keys, teams_owned_by
+from accounts.selectors import playground_parent_keys, teams_for_new_keys, teams_owned_by
 from engine import SERVICE_TIERS
 
 # last_used_at is written at most this often per key, so hot keys don't cost a write per request.
@@ -28,10 +30,22 @@ LAST_USED_RESOLUTION_SECONDS = 60
 MEMBER_KEYS_MAX = 10  # active keys a member may hold per team (owners: no cap)
 ERROR_MEMBER_KEYS_MAX = "You have {active} active keys in {team}; revoke one first."
 ERROR_OWNERS_MANAGE_KEYS = "This team's keys are made and revoked by its owners."
+PLAYGROUND_KEY_LIFETIME = timedelta(hours=1)
+PLAYGROUND_KEYS_MAX = 5  # active playground keys a user holds at once: one per open page
+ERROR_PLAYGROUND_PARENT = "Choose one of your own active keys."
+ERROR_PLAYGROUND_MODEL = "That key may not use {model}."
+ERROR_PLAYGROUND_KEYS_MAX = (
+    "You have {active} playground keys in use (one per open playground page): close a page, or "
+    "sign out to end them all."
+)
 
 
 class MemberKeyRefused(Exception):
     """A team's rules refuse what a member asked of their own keys; the message says why."""
+
+
+class PlaygroundKeyRefused(Exception):
+    """The playground cannot make this key; the message says why."""
 
 
 @transaction.atomic
@@ -64,11 +78,13 @@ def api_key_create(
     tpm: int | None = None,
     max_parallel: int | None = None,
     budget_tokens: int | None = None,
+    max_output_tokens: int | None = None,
     expires_at: datetime | None = None,
     created_by: AbstractBaseUser | None = None,
     creation_token: str | None = None,
     reads_usage: bool = False,
     service_tiers: Iterable[str] = DEFAULT_SERVICE_TIERS,
+    parent: ApiKey | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns it with the raw key, which is not stored and cannot be shown again.
     `models=None` allows every model; `creation_token` makes a form submission create one key
@@ -90,10 +106,12 @@ def api_key_create(
         tpm=tpm,
         max_parallel=max_parallel,
         budget_tokens=budget_tokens,
+        max_output_tokens=max_output_tokens,
         reads_usage=reads_usage,
         service_tiers=tiers,
         expires_at=expires_at,
         creation_token=creation_token,
+        parent=parent,
     )
     return api_key, raw_key
 
@@ -125,7 +143,7 @@ def member_key_create(
     if not teams_owned_by(user=user).filter(pk=team.pk).exists():
         # Under the team's row lock, so that two forms sent at once cannot both pass the cap.
         team = Team.objects.select_for_update().get(pk=team.pk)
-        active = ApiKey.objects.active().filter(user=user, team=team).count()
+        active = ApiKey.objects.active().filter(user=user, team=team, parent=None).count()
         if active >= MEMBER_KEYS_MAX:
             raise MemberKeyRefused(ERROR_MEMBER_KEYS_MAX.format(active=active, team=team))
         limits = {
@@ -163,6 +181,55 @@ def member_key_revoke(*, user: AbstractBaseUser, key_id: int) -> ApiKey:
     return api_key_revoke(api_key=api_key)
 
 
+@transaction.atomic
+def playground_key_create(
+    *, user: AbstractBaseUser, parent_id: int, model: str
+) -> tuple[ApiKey, str]:
+    """A key for the playground page, made from one of the user's own active keys (`parent_id`):
+    for `model` only (one the parent allows), for PLAYGROUND_KEY_LIFETIME at most (never past the
+    parent's expiry), with the parent's service tiers and output ceiling, and no limits of its
+    own: it spends the parent's rpm, tpm, parallel slots and budget (accounts/limits). It holds
+    nothing the parent does not, so any member may make one, whether or not their team lets
+    members make keys. Returns it with its raw value; raises PlaygroundKeyRefused."""
+    # The user's row lock: two pages opened at once cannot both pass the cap.
+    get_user_model().objects.select_for_update().filter(pk=user.pk).first()
+    parent = playground_parent_keys(user=user).filter(pk=parent_id).first()
+    if parent is None:
+        raise PlaygroundKeyRefused(ERROR_PLAYGROUND_PARENT)
+    if not parent.allows_model(model):
+        raise PlaygroundKeyRefused(ERROR_PLAYGROUND_MODEL.format(model=model))
+    active = ApiKey.objects.active().filter(user=user, parent__isnull=False).count()
+    if active >= PLAYGROUND_KEYS_MAX:
+        raise PlaygroundKeyRefused(ERROR_PLAYGROUND_KEYS_MAX.format(active=active))
+    expires_at = timezone.now() + PLAYGROUND_KEY_LIFETIME
+    if parent.expires_at is not None:
+        expires_at = min(expires_at, parent.expires_at)
+    return api_key_create(
+        user=user,
+        team=parent.team,
+        name=f"Playground: {model} (from {parent.prefix}…)"[:100],
+        models=[model],
+        max_output_tokens=parent.max_output_tokens,
+        expires_at=expires_at,
+        created_by=user,
+        service_tiers=parent.service_tiers,
+        parent=parent,
+    )
+
+
+def playground_key_revoke(*, user: AbstractBaseUser, key_id: int) -> bool:
+    """Revoke one of the user's playground keys (the page was left); False when there was no
+    such active key."""
+    keys_held = ApiKey.objects.filter(pk=key_id, user=user, parent__isnull=False)
+    return bool(keys_held.filter(revoked_at__isnull=True).update(revoked_at=timezone.now()))
+
+
+def playground_keys_revoke_for_user(*, user_id: int) -> int:
+    """Revoke the user's playground keys (they signed out); returns how many were active."""
+    keys_held = ApiKey.objects.filter(user_id=user_id, parent__isnull=False, revoked_at=None)
+    return keys_held.update(revoked_at=timezone.now())
+
+
 def api_key_find(*, key_or_prefix: str) -> ApiKey:
     """The key named by a raw key or its displayed prefix; raises ApiKey.DoesNotExist."""
     given = key_or_prefix.strip().rstrip("…")
@@ -176,8 +243,11 @@ def api_key_find(*, key_or_prefix: str) -> ApiKey:
 
 def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     """Revoke the key (a no-op if it already is). Authentication reads the key from the database
-    on every request, so the next request with it gets 401 in every process."""
-    ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    on every request, so the next request with it gets 401 in every process. Its playground
+    keys end with it (authentication refuses them anyway)."""
+    now = timezone.now()
+    ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)
+    ApiKey.objects.filter(parent=api_key, revoked_at__isnull=True).update(revoked_at=now)
     api_key.refresh_from_db(fields=["revoked_at"])
     return api_key
 
@@ -220,12 +290,60 @@ def api_key_rotate(
         tpm=api_key.tpm,
         max_parallel=api_key.max_parallel,
         budget_tokens=api_key.budget_tokens,
+        max_output_tokens=api_key.max_output_tokens,
         expires_at=api_key.expires_at,
         service_tiers=api_key.service_tiers,
         created_by=created_by,
     )
     api_key_revoke(api_key=api_key)
     return new_key, raw_key
+
+
+@dataclass(frozen=True)
+class Invitation:
+    """What `member_invite` did: the user (`user_created` when it made the account), the
+    membership (`joined` when it made it) and the key with its raw value, shown once."""
+
+    user: AbstractBaseUser
+    user_created: bool
+    membership: Membership
+    joined: bool
+    api_key: ApiKey | None
+    raw_key: str | None
+
+
+@transaction.atomic
+def member_invite(
+    *,
+    team: Team,
+    username: str,
+    email: str = "",
+    password: str | None = None,
+    role: str = Membership.Role.MEMBER,
+    key: Mapping[str, Any] | None = None,
+    created_by: AbstractBaseUser | None = None,
+) -> Invitation:
+    """Onboard one member in one step: the user (made when `username` is new, with `password`,
+    or with none usable until they set one), their membership of `team` in `role` (an existing
+    membership is left as it is), and, when `key` is given (api_key_create's arguments but the
+    user, team and creator), their key. All or nothing."""
+    user_model = get_user_model()
+    user = user_model.objects.filter(username=username).first()
+    user_created = user is None
+    if user_created:
+        user = user_model(username=username, email=email)
+        if password:
+            user.set_password(password)
+        else:
+            user.set_unusable_password()  # until they follow their set-password link
+        user.save()
+    membership, joined = Membership.objects.get_or_create(
+        team=team, user=user, defaults={"role": role}
+    )
+    api_key = raw_key = None
+    if key is not None:
+        api_key, raw_key = api_key_create(user=user, team=team, created_by=created_by, **key)
+    return Invitation(user, user_created, membership, joined, api_key, raw_key)
 
 
 def api_key_monthly_usage_add(*, api_key_id: int, month: date, tokens: int) -> None:

@@ -48,12 +48,16 @@ pages_app = PooledASGIHandler()
 api_app = KeyedAPIHandler()
 
 
+# Load balancers' probes: no session or CSRF to run.
+HEALTH_PATHS = ("/healthz", "/readyz")
+
+
 async def by_route(scope, receive, send):
-    """/v1 by key to the API's handler; the usage API (which a signed-in team owner's session
-    may read), the pages, the admin and /metrics to the full one."""
+    """/v1 by key and the health probes to the API's handler; the usage API (which a signed-in
+    team owner's session may read), the pages, the admin and /metrics to the full one."""
     path = scope["path"]
     keyed = path.startswith("/v1/") and not path.startswith("/v1/organization/")
-    await (api_app if keyed else pages_app)(scope, receive, send)
+    await (api_app if keyed or path in HEALTH_PATHS else pages_app)(scope, receive, send)
 
 
 django_asgi_app = BodyCapMiddleware(

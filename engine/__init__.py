@@ -66,6 +66,8 @@ _LAZY = {
     "default_gguf_path": "engine.models.gguf",
     "load_tokenizer": "engine.models.loader",
     "folder_context_length": "engine.models.config",
+    "folder_embedding_context_length": "engine.models.config",
+    "folder_facts": "engine.models.config",
     "PromptRenderer": "engine.text.rendering",
     "check_template_kwargs": "engine.text.templates",
     "harmony_encoding": "engine.text.harmony",

@@ -1,6 +1,6 @@
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import MaxValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from engine import SERVICE_TIERS, InvalidRequestError, SamplingParams
@@ -9,6 +9,8 @@ from inference.parsers.registry import reasoning_parser_choices, tool_parser_cho
 ERROR_DEFAULT_MUST_BE_ENABLED = (
     "The default model must stay enabled; make another model the default first."
 )
+
+ERROR_DEFAULT_OVER_CEILING = "The default cannot be over the output token ceiling ({:,})."
 
 # The sampling fields a registry entry may preset (used when a request omits them), with types.
 SAMPLING_DEFAULT_FIELDS = {
@@ -19,7 +21,6 @@ SAMPLING_DEFAULT_FIELDS = {
     "presence_penalty": float,
     "frequency_penalty": float,
     "repetition_penalty": float,
-    "max_tokens": int,
 }
 # The tier a request was served in (engine.SERVICE_TIERS; requests without one, embeddings and
 # refusals, count as default).
@@ -62,6 +63,23 @@ class ModelEntry(models.Model):
     )
     default_sampling = models.JSONField(
         default=dict, blank=True, help_text='Defaults for omitted fields, e.g. {"temperature": 0.7}'
+    )
+    default_max_tokens = models.PositiveIntegerField(
+        "default output tokens",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="The most a reply may generate when a request leaves max_tokens unset. "
+        "Empty: the rest of the context (up to the ceiling), which lets a small model that "
+        "repeats itself run for minutes.",
+    )
+    max_output_tokens = models.PositiveIntegerField(
+        "output token ceiling",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="The most a request may ask for (max_tokens and its aliases); more is a 400 "
+        "naming this ceiling. Empty: the context is the only limit.",
     )
     max_num_seqs = models.PositiveIntegerField(
         default=64,
@@ -142,6 +160,14 @@ class ModelEntry(models.Model):
                 raise ValidationError({"draft_model": "A model cannot be its own draft model."})
             if draft.kind != self.Kind.CHAT:
                 raise ValidationError({"draft_model": "The draft model must be a chat model."})
+        if (
+            self.default_max_tokens is not None
+            and self.max_output_tokens is not None
+            and self.default_max_tokens > self.max_output_tokens
+        ):
+            raise ValidationError(
+                {"default_max_tokens": ERROR_DEFAULT_OVER_CEILING.format(self.max_output_tokens)}
+            )
         defaults = self.default_sampling
         if not isinstance(defaults, dict):
             raise ValidationError({"default_sampling": "Must be a JSON object."})

@@ -28,8 +28,11 @@ State is keyed by the key's prefix (unique, random, not secret), never by its ra
 """
 
 import threading
+from dataclasses import dataclass
 
+from asgiref.sync import async_to_sync
 from django.conf import settings
+from django.utils import timezone
 
 from accounts.limits.base import (
     BUDGET_IDLE_SECONDS,
@@ -52,6 +55,7 @@ from accounts.limits.base import (
 from accounts.limits.memory import InProcessLimiter
 from accounts.limits.redis import RedisLimiter
 from accounts.models import ApiKey
+from accounts.selectors import api_key_month_tokens, month_start
 
 __all__ = [
     "BUDGET_IDLE_SECONDS",
@@ -67,6 +71,7 @@ __all__ = [
     "WINDOW_SECONDS",
     "Admission",
     "InProcessLimiter",
+    "KeyUse",
     "Limiter",
     "LimiterUnavailable",
     "RateLimitExceeded",
@@ -76,6 +81,7 @@ __all__ = [
     "enter",
     "format_duration",
     "get_limiter",
+    "key_use",
 ]
 
 _limiters: dict[str | None, Limiter] = {}
@@ -116,3 +122,63 @@ async def enter(api_key: ApiKey) -> Admission:
 async def current_headers(api_key: ApiKey) -> dict[str, str]:
     """x-ratelimit-* headers for a response that reserves nothing (e.g. GET /v1/models)."""
     return await get_limiter().current_headers(api_key)
+
+
+@dataclass(frozen=True)
+class KeyUse:
+    """What a key has used of its limits now, for the pages; a limit of None is no limit. The
+    month's tokens are its finished requests' (its playground keys' included); the minute's and
+    the requests running are the limiter's (None when it cannot be asked: Redis down)."""
+
+    month_tokens: int
+    budget_tokens: int | None
+    requests: int | None
+    rpm: int | None
+    tokens: int | None
+    tpm: int | None
+    running: int | None
+    max_parallel: int | None
+
+    @property
+    def budget_left(self) -> int | None:
+        if self.budget_tokens is None:
+            return None
+        return max(0, self.budget_tokens - self.month_tokens)
+
+    def phrases(self) -> list[str]:
+        """In words, for the pages: "1,200 of 50,000 tokens this month (48,800 left)", "2 of
+        60 requests this minute", ... (a limit the key has not: only the month's tokens)."""
+        month = f"{self.month_tokens:,} tokens this month"
+        if self.budget_tokens is not None:
+            month = f"{self.month_tokens:,} of {self.budget_tokens:,} tokens this month "
+            month += f"({self.budget_left:,} left)"
+        out = [month]
+        for used, limit, what in (
+            (self.requests, self.rpm, "requests this minute"),
+            (self.tokens, self.tpm, "tokens this minute"),
+            (self.running, self.max_parallel, "running"),
+        ):
+            if limit is not None:
+                out.append(f"{'?' if used is None else f'{used:,}'} of {limit:,} {what}")
+        return out
+
+
+def key_use(api_key: ApiKey) -> KeyUse:
+    """The key's use of its limits (a playground key's: those of the key it was made from).
+    Synchronous, for views: call it off the event loop."""
+    owner = api_key.parent if api_key.parent_id is not None else api_key
+    month = api_key_month_tokens(api_key_id=owner.pk, month=month_start(timezone.now().date()))
+    try:
+        now = async_to_sync(get_limiter().current_use)(owner)
+    except LimiterUnavailable:
+        now = None
+    return KeyUse(
+        month_tokens=month,
+        budget_tokens=owner.budget_tokens,
+        requests=None if now is None else now.requests,
+        rpm=owner.rpm,
+        tokens=None if now is None else now.tokens,
+        tpm=owner.tpm,
+        running=None if now is None else now.inflight,
+        max_parallel=owner.max_parallel,
+    )

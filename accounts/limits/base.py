@@ -115,6 +115,10 @@ class Limits:
 
     @classmethod
     def of(cls, api_key: ApiKey) -> "Limits":
+        """The key's limits; a playground key's are those of the key it was made from, the
+        same counters (authentication loads that key with it)."""
+        if api_key.parent_id is not None:
+            api_key = api_key.parent
         return cls(
             ident=api_key.prefix,
             api_key_id=api_key.pk,
@@ -144,6 +148,7 @@ class Verdict:
     retry_ms: int = -1  # until the refused limit has room; -1 unknown
     budget_used: int = 0  # finished + in flight, before this request
     granted: int = 0  # tokens reserved when admitted
+    inflight: int = 0  # requests holding a parallel slot (counted when tracks_inflight)
 
 
 def format_duration(ms: int) -> str:
@@ -341,6 +346,15 @@ class Limiter:
             except LimiterUnavailable:
                 continue
         logger.error("limiter release of %s abandoned; it lapses on its own", admission_id)
+
+    async def current_use(self, api_key: ApiKey) -> Verdict:
+        """The key's counters now, counting nothing: requests and tokens in the window, and
+        requests in flight (kept for keys with a parallel limit or a budget). A key without
+        limits has none: all zero."""
+        limits = Limits.of(api_key)
+        if limits.unlimited:
+            return Verdict(status=Status.ADMITTED)
+        return await self._peek(limits)
 
     async def current_headers(self, api_key: ApiKey) -> dict[str, str]:
         limits = Limits.of(api_key)

@@ -86,6 +86,7 @@ class InProcessLimiter(Limiter):
         if state.requests:
             verdict.requests_reset_ms = int(state.requests[-1] + self._window_ms - now)
         verdict.tokens = sum(tokens for _, tokens in state.tokens.values())
+        verdict.inflight = len(state.inflight)
         if state.tokens:
             newest = state.tokens[next(reversed(state.tokens))][0]
             verdict.tokens_reset_ms = int(newest + self._window_ms - now)

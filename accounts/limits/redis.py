@@ -31,7 +31,7 @@ REDIS_NAMESPACE = "orchard:limits:"
 #       11 mode ("admit" | "enter" | "reserve" | "peek"; base.Limiter._check says what each does),
 #       12 least (the fewest tokens to reserve: `reserved` unless the request is flexible)
 # Returns {status, reason, requests, tokens, requests reset ms, tokens reset ms, retry ms, budget,
-#          granted}.
+#          granted}, and a peek the requests in flight after those.
 _ADMIT_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -68,7 +68,9 @@ purge(KEYS[4], KEYS[5], now)
 local requests = redis.call('ZCARD', KEYS[1])
 local tokens = hsum(KEYS[3])
 local rreset, treset = reset_ms(KEYS[1]), reset_ms(KEYS[2])
-if ARGV[11] == 'peek' then return {0, '', requests, tokens, rreset, treset, -1, 0, 0} end
+if ARGV[11] == 'peek' then
+  return {0, '', requests, tokens, rreset, treset, -1, 0, 0, redis.call('ZCARD', KEYS[4])}
+end
 
 local used = 0
 if budget >= 0 then
@@ -227,7 +229,7 @@ class RedisLimiter(Limiter):
                 least,
             ],
         )
-        status, reason, requests, tokens, rreset, treset, retry, used, granted = result
+        status, reason, requests, tokens, rreset, treset, retry, used, granted, *peeked = result
         return Verdict(
             status=Status(status),
             reason=reason.decode() if isinstance(reason, bytes) else reason,
@@ -238,6 +240,7 @@ class RedisLimiter(Limiter):
             retry_ms=retry,
             budget_used=used,
             granted=granted,
+            inflight=peeked[0] if peeked else 0,
         )
 
     async def _check(self, limits, admission_id, reserved, least, month, seed, mode) -> Verdict:

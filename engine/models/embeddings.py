@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from tokenizers import Tokenizer
 
+from engine.models.config import embedding_context_length
 from engine.protocol import EmbeddingInfo, EmbeddingLoadError
 
 NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
@@ -137,10 +138,8 @@ class EmbeddingModel:
         except (KeyError, ValueError) as exc:
             raise EmbeddingLoadError(f"the weights in {path} do not fit a BERT: {exc}") from exc
         mx.eval(self.encoder.parameters())
-        pooling, normalize, max_length = _sentence_transformers_config(path)
-        context = min(
-            max_length or config["max_position_embeddings"], config["max_position_embeddings"]
-        )
+        pooling, normalize = _sentence_transformers_config(path)
+        context = embedding_context_length(path, config)
         self.info = EmbeddingInfo(
             name=name or path.name,
             dimensions=config["hidden_size"],
@@ -174,10 +173,10 @@ class EmbeddingModel:
         return np.array(pooled.astype(mx.float32))
 
 
-def _sentence_transformers_config(path: Path) -> tuple[str, bool, int | None]:
-    """(pooling, normalize, max_seq_length) from the folder's sentence-transformers files
-    (mean pooling, no normalisation, the model's own limit when they are absent)."""
-    pooling, normalize, max_length = "mean", False, None
+def _sentence_transformers_config(path: Path) -> tuple[str, bool]:
+    """(pooling, normalize) from the folder's sentence-transformers files (mean pooling, no
+    normalisation when they are absent)."""
+    pooling, normalize = "mean", False
     modules_file = path / "modules.json"
     if modules_file.exists():
         for module in json.loads(modules_file.read_text()):
@@ -191,10 +190,7 @@ def _sentence_transformers_config(path: Path) -> tuple[str, bool, int | None]:
                         pooling = "cls"
                     elif pooling_config.get("pooling_mode_max_tokens"):
                         pooling = "max"
-    bert_config = path / "sentence_bert_config.json"
-    if bert_config.exists():
-        max_length = json.loads(bert_config.read_text()).get("max_seq_length")
-    return pooling, normalize, max_length
+    return pooling, normalize
 
 
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"

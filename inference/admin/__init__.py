@@ -1,9 +1,10 @@
-"""Admin for the model registry (registry.py), usage (usage.py) and stored /v1/responses
-responses (responses.py); lists.py holds what their long changelists share.
+"""Admin for the model registry (registry.py), usage (usage.py), the requests running now
+(running.py) and stored /v1/responses responses (responses.py); lists.py holds what their long
+changelists share, pickers.py gives accounts' forms the registry's model names.
 
 Usage pages are read-only and built to stay fast at millions of rows: searches are exact matches
 on indexed columns, no filter runs a DISTINCT over the rows, the row count is capped, and totals
 come from the daily roll-ups.
 """
 
-from inference.admin import registry, responses, usage  # noqa: F401  (each registers its admins)
+from inference.admin import pickers, registry, responses, usage  # noqa: F401  (each registers)

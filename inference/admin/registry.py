@@ -2,28 +2,41 @@
 (status, load errors, prefix cache), and the actions on them (enable, default, reload, clear)."""
 
 import datetime
+from pathlib import Path
 
+from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.db import transaction
 
 from engine import folder_context_length
 from inference.admin.lists import WideListMixin
 from inference.models import ERROR_DEFAULT_MUST_BE_ENABLED, ModelEntry
+from inference.services.catalog import STATUS_LABELS
 from inference.services.engines import get_engine_client, registry_changed
-from inference.services.registry import model_set_default, model_spec
+from inference.services.registry import model_folder_problem, model_set_default, model_spec
 
-STATUS_LABELS = {
-    "serving": "serving",
-    "loading": "loading",
-    "failed": "load failed",
-    "stopped": "stopped (engine died)",
-    "draining": "draining (its engine workers are shutting down)",
-    "not_loaded": "not loaded",
-}
+
+class ModelEntryForm(forms.ModelForm):
+    def clean(self):
+        """A new or changed path must be a model folder of the entry's kind. Remote workers
+        read their own disks (the web host may have no copy), so there the workers' load
+        reports a bad path, in the status column."""
+        cleaned = super().clean()
+        path, kind = cleaned.get("path"), cleaned.get("kind")
+        changed = self.instance._state.adding or {"path", "kind"} & set(self.changed_data)
+        if path and kind and changed and settings.ORCHARD_ENGINE == "local":
+            problem = model_folder_problem(path, kind=kind)
+            if problem:
+                self.add_error("path", problem)
+            else:
+                cleaned["path"] = str(Path(path).expanduser().resolve())
+        return cleaned
 
 
 @admin.register(ModelEntry)
 class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
+    form = ModelEntryForm
     list_display = [
         "name",
         "enabled",
@@ -50,7 +63,17 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
         (None, {"fields": ["name", "kind", "path", "enabled", "is_default", "engine"]}),
         ("Engine", {"fields": ["status", "load_error"]}),
         ("Parsers", {"fields": ["tool_parser", "reasoning_parser"]}),
-        ("Generation", {"fields": ["context_length", "default_sampling"]}),
+        (
+            "Generation",
+            {
+                "fields": [
+                    "context_length",
+                    "default_max_tokens",
+                    "max_output_tokens",
+                    "default_sampling",
+                ]
+            },
+        ),
         (
             "Batching",
             {

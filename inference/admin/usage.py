@@ -1,6 +1,7 @@
 """Admin for usage: the usage rows, their totals page and the daily roll-ups, read-only."""
 
 import datetime
+import functools
 
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
@@ -13,6 +14,7 @@ from accounts import keys
 from accounts.admin import KeySearchMixin, ReadOnlyAdmin, VisibleTeamFilter
 from accounts.models import ApiKey, Team
 from inference.admin.lists import CappedCountPaginator, WideListMixin, admin_list_rows
+from inference.admin.running import running_view
 from inference.models import DailyUsage, UsageRecord
 from inference.services.usage import daily_usage_visible_to, usage_records_visible_to, usage_totals
 
@@ -99,7 +101,12 @@ class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
             self.admin_site.admin_view(self.totals_view),
             name="inference_usagerecord_totals",
         )
-        return [totals, *super().get_urls()]
+        running = path(
+            "running/",
+            self.admin_site.admin_view(functools.partial(running_view, self)),
+            name="inference_usagerecord_running",
+        )
+        return [totals, running, *super().get_urls()]
 
     def totals_view(self, request):
         """Per-team and per-key totals, under the lists' own permissions: the page needs the

@@ -1,4 +1,5 @@
-"""GET /v1/models and /v1/models/{id}: the enabled models this key may use."""
+"""GET /v1/models and /v1/models/{id}: the enabled models this key may use, less those that
+failed to load."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
+from accounts.models import ApiKey
 from inference.api.common import authenticate
 from inference.errors import model_not_found
 from inference.models import ModelEntry
+from inference.services.catalog import models_offered
 from inference.services.registry import model_for_key, models_for_key
 
 
@@ -19,7 +22,7 @@ from inference.services.registry import model_for_key, models_for_key
 @require_GET
 async def models_list(request: HttpRequest) -> HttpResponse:
     api_key = await authenticate(request)
-    entries = await sync_to_async(models_for_key)(api_key)
+    entries = await sync_to_async(_offered_to)(api_key)
     return JsonResponse({"object": "list", "data": [_model_object(entry) for entry in entries]})
 
 
@@ -27,10 +30,18 @@ async def models_list(request: HttpRequest) -> HttpResponse:
 @require_GET
 async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
     api_key = await authenticate(request)
-    entry = await sync_to_async(model_for_key)(api_key, model_id)
-    if entry is None:
+    entries = await sync_to_async(_offered_to)(api_key, model_id)
+    if not entries:
         raise model_not_found(model_id)
-    return JsonResponse(_model_object(entry))
+    return JsonResponse(_model_object(entries[0]))
+
+
+def _offered_to(api_key: ApiKey, name: str | None = None) -> list[ModelEntry]:
+    # On a thread: the engines' state may be read from Redis (remote workers' beats).
+    if name is None:
+        return models_offered(models_for_key(api_key))
+    entry = model_for_key(api_key, name)
+    return models_offered([entry]) if entry is not None else []
 
 
 def _model_object(entry: ModelEntry) -> dict[str, Any]:

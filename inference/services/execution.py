@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,9 +31,9 @@ from engine import (
 )
 from inference.errors import APIError
 from inference.models import UsageRecord
-from inference.services import metrics
+from inference.services import metrics, running
 from inference.services.engines import get_engine_client
-from inference.services.output import FAILURE_CODES
+from inference.services.output import CANCELLED, FAILURE_CODES
 from inference.services.settlement import Settlement
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Execution:
     _last_token_at: dict[int, float] = field(default_factory=dict)  # per choice, for metrics
     _choice_tokens: dict[int, int] = field(default_factory=dict)
     _failure: str | None = None  # set by `fail`: the response broke outside the engine
+    _cancelled: bool = False  # set by `cancel`: an administrator stopped it
 
     def __post_init__(self) -> None:
         self.settlement.usage.prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
@@ -120,6 +122,7 @@ class Execution:
             status, error_code = _ended_by(exc)
             await self.finish(status, error_code=error_code)
             raise
+        running.track(self)  # shown on the running-now page, which may cancel it
         # If the request task ends by any route that skips outputs() (a cancellation between
         # returning the response and reading its body, say), finish() still runs.
         task = asyncio.current_task()
@@ -158,17 +161,23 @@ class Execution:
 
     async def outputs(self) -> AsyncIterator[ChoiceOutput]:
         status, error_code = UsageRecord.Status.CANCELLED, "client_disconnected"
+        failed = False
         try:
             async with contextlib.aclosing(self._merged()) as merged:
                 async for index, output in merged:
+                    if output.finish_reason == "abort" and self._cancelled:
+                        output = dataclasses.replace(output, finish_reason=CANCELLED)
                     choice = index * self.choices_per_request + output.index
                     self._account(choice, output)
                     # Set before yielding: a consumer that stops at a failure ends us right here.
                     if output.finish_reason in FAILURE_CODES:
+                        failed = True
                         status = UsageRecord.Status.FAILED
+                        if output.finish_reason == CANCELLED:
+                            status = UsageRecord.Status.CANCELLED
                         error_code = FAILURE_CODES[output.finish_reason]
                     yield ChoiceOutput(choice, output)
-            if status != UsageRecord.Status.FAILED:
+            if not failed:
                 status, error_code = UsageRecord.Status.COMPLETED, ""
         except EngineError as exc:
             status, error_code = UsageRecord.Status.FAILED, exc.code or "engine_error"
@@ -180,6 +189,25 @@ class Execution:
             if self._failure is not None:
                 status, error_code = UsageRecord.Status.FAILED, self._failure
             await self.finish(status, error_code=error_code)
+
+    @property
+    def usage_row_id(self) -> int | None:
+        return self.settlement.usage_row_id
+
+    def counts(self) -> tuple[int, int, int]:
+        """The prompt, cached and completion tokens so far (for the running-now page)."""
+        usage = self.settlement.usage
+        return usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+
+    async def cancel(self) -> None:
+        """Stop the generation for an administrator (inference/services/running.py): its
+        engine requests are aborted, its choices end as CANCELLED, its row cancelled."""
+        if self._cancelled or self.settlement.settled:
+            return
+        self._cancelled = True
+        client = get_engine_client()
+        for request in self.requests:
+            await client.abort(request.request_id)
 
     def fail(self, error_code: str) -> None:
         """Record that the response failed on the server's side while its outputs were being
@@ -265,6 +293,7 @@ class Execution:
 
     async def finish(self, status: str, *, error_code: str = "") -> None:
         """End the execution once: never raises (it runs at the end of every response)."""
+        running.untrack(self)
         await self.settlement.settle(status, error_code=error_code, stop=self._close_streams)
 
     async def _close_streams(self) -> None:

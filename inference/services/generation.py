@@ -10,8 +10,10 @@ running generation happens here, once, in this order:
    a reload; 503 if it cannot load);
 2. rendering (chat template, or the tokenizer), each prompt a job of the fair preparation gate
    (inference/services/prework.py) in a tokenizer process its deadline stops;
-3. the sampling parameters: the caller's fields over the model's registry defaults, max_tokens
-   sized by `engine.completion_budget` (`Sizing`), the prefix-cache scope (the key's team
+3. the sampling parameters: the caller's fields over the model's registry defaults, a
+   max_tokens over the model's or the key's output ceiling refused, max_tokens left unset
+   sized by `engine.completion_budget` (`Sizing`) within the model's default output size and
+   those ceilings, the prefix-cache scope (the key's team
    and the call's `cache_salt`: inference/services/cache_scope.py), and the service class (the
    key's team and its weight, the key, and the tier: inference/services/service_class.py; a
    tier the key may not use is refused first of all);
@@ -68,6 +70,14 @@ logger = logging.getLogger(__name__)
 
 # Completions one call may ask for (prompts × n).
 MAX_CHOICES_PER_CALL = 128
+ERROR_OVER_MODEL_CEILING = (
+    "{param} is too large: {asked}. The model '{model}' generates at most {ceiling} tokens per "
+    "reply; lower {param}, or leave it unset for the model's default."
+)
+ERROR_OVER_KEY_CEILING = (
+    "{param} is too large: {asked}. This API key may ask for at most {ceiling} tokens per "
+    "reply; lower {param}, or leave it unset for the model's default."
+)
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,8 @@ class GenerationCall:
 
     `sampling` holds `SamplingParams` fields the caller set (None or absent: not set, so the
     model's registry default or the engine's applies); `max_tokens` absent or None leaves the
-    size to the server (`default_max_tokens`, else the rest of the context). `prompt_param`
+    size to the server (the model's default output size, else `default_max_tokens`, else the
+    rest of the context, within the model's and the key's output ceilings). `prompt_param`
     names the body field errors about the prompt point at ("messages", "prompt", "input").
     """
 
@@ -177,7 +188,7 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
     service = service_class(api_key=api_key, accepted=call.service_tiers)
     entry = await intake.model_entry(name=call.model, kind=ModelEntry.Kind.CHAT)
     info = await _serving_model(entry)
-    sampling, size_limit = _sampling(call, entry)
+    sampling, size_limit = _sampling(call, entry, key_ceiling=api_key.max_output_tokens)
     if len(call.prompts) * sampling.n > MAX_CHOICES_PER_CALL:
         raise APIError(
             400,
@@ -391,16 +402,38 @@ async def _detokenize(model: str, token_ids: list[int]) -> str:
         raise APIError(503, ERROR_RELOADING, code=exc.code) from None
 
 
-def _sampling(call: GenerationCall, entry: ModelEntry) -> tuple[SamplingParams, int | None]:
+def _sampling(
+    call: GenerationCall, entry: ModelEntry, *, key_ceiling: int | None = None
+) -> tuple[SamplingParams, int | None]:
     """The caller's fields over the model's defaults (the registry validated those), and, when
     the caller left max_tokens to the server, the most it may be (the model's default, else
-    the endpoint's; None: the rest of the context). max_tokens stays None then: the server
-    sizes the request (`Sizing`) and admission may grant less (a flexible request)."""
+    the endpoint's, within the output ceilings; None: the rest of the context). max_tokens
+    stays None then: the server sizes the request (`Sizing`) and admission may grant less (a
+    flexible request). A max_tokens over the model's or the key's (`key_ceiling`) output
+    ceiling is a 400 naming it, as OpenAI answers one over a model's limit."""
     values = {name: value for name, value in call.sampling.items() if value is not None}
     for name, kind in SAMPLING_DEFAULT_FIELDS.items():
-        if name not in values and name in entry.default_sampling and name != "max_tokens":
+        if name not in values and name in entry.default_sampling:
             values[name] = kind(entry.default_sampling[name])
+    ceilings = [c for c in (entry.max_output_tokens, key_ceiling) if c is not None]
+    ceiling = min(ceilings, default=None)
     size_limit = None
     if "max_tokens" not in values:
-        size_limit = entry.default_sampling.get("max_tokens", call.default_max_tokens)
-    return SamplingParams(**values), None if size_limit is None else int(size_limit)
+        default = entry.default_max_tokens or call.default_max_tokens
+        size_limit = min([c for c in (default, ceiling) if c is not None], default=None)
+    elif ceiling is not None and values["max_tokens"] > ceiling:
+        param = call.name("max_tokens")
+        error = (
+            ERROR_OVER_MODEL_CEILING
+            if ceiling == entry.max_output_tokens
+            else ERROR_OVER_KEY_CEILING
+        )
+        raise APIError(
+            400,
+            error.format(
+                param=param, asked=values["max_tokens"], ceiling=ceiling, model=entry.name
+            ),
+            param=param,
+            code="invalid_value",
+        )
+    return SamplingParams(**values), size_limit

@@ -20,16 +20,24 @@ from inference.parsers.registry import OutputParsing
 
 # Engine finish reasons that end a choice in failure: what the client is told, and the usage
 # row's error code.
+# CANCELLED is the web side's own: an "abort" it asked for (inference/services/running.py).
+CANCELLED = "cancelled"
 FAILURE_MESSAGES = {
     "abort": "The request was aborted by the server (the model was unloaded or the server is "
     "stopping).",
     "error": "The engine failed while generating this response.",
+    CANCELLED: "The request was cancelled by an administrator.",
 }
-FAILURE_CODES = {"abort": "engine_aborted", "error": "engine_error"}
+FAILURE_CODES = {
+    "abort": "engine_aborted",
+    "error": "engine_error",
+    CANCELLED: "cancelled_by_staff",
+}
 
 
 class GenerationFailed(Exception):
-    """A choice ended with finish_reason "error" or "abort" (the usage row says failed)."""
+    """A choice ended with finish_reason "error" or "abort" (the usage row says failed), or was
+    cancelled by an administrator (the row says cancelled)."""
 
     def __init__(self, finish_reason: str):
         super().__init__(FAILURE_MESSAGES[finish_reason])

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
@@ -30,10 +31,9 @@ def model_register(
     folder = Path(path).expanduser().resolve()
     if kind not in ModelEntry.Kind.values:
         raise ValueError(f"Unknown kind {kind!r}; choose from {', '.join(ModelEntry.Kind)}.")
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder} is not an mlx-lm model folder (no config.json).")
-    if kind == ModelEntry.Kind.EMBEDDING and not (folder / "tokenizer.json").is_file():
-        raise ValueError(f"{folder} has no tokenizer.json (an embedding model needs one).")
+    problem = model_folder_problem(folder, kind=kind)
+    if problem:
+        raise ValueError(problem)
     if engine not in ModelEntry.Engine.values:
         raise ValueError(f"Unknown engine {engine!r}; choose from {', '.join(ModelEntry.Engine)}.")
     for what, value, known in (
@@ -71,6 +71,25 @@ def model_register(
     return entry
 
 
+def model_folder_problem(path: str | Path, *, kind: str) -> str | None:
+    """Why `path` cannot be registered as a model of `kind` (a sentence to show), or None. The
+    same check wherever a model is added (the admin, the commands), so that a path which can
+    never load is refused there instead of being listed and failing at every start."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        return f"{folder} does not exist on this server."
+    if folder.is_file() and folder.suffix == ".gguf":
+        return (
+            f"{folder} is a GGUF file: convert it into a model folder first "
+            f"(manage.py import_gguf {folder} NAME), which also registers it."
+        )
+    if not (folder / "config.json").is_file():
+        return f"{folder} is not an mlx-lm model folder (no config.json)."
+    if kind == ModelEntry.Kind.EMBEDDING and not (folder / "tokenizer.json").is_file():
+        return f"{folder} has no tokenizer.json (an embedding model needs one)."
+    return None
+
+
 @transaction.atomic
 def model_set_default(*, entry: ModelEntry) -> None:
     ModelEntry.objects.filter(is_default=True).exclude(pk=entry.pk).update(is_default=False)
@@ -103,6 +122,15 @@ def models_for_key(api_key: ApiKey) -> list[ModelEntry]:
     entries = ModelEntry.objects.filter(enabled=True).select_related("draft_model")
     if not api_key.all_models:
         entries = entries.filter(name__in=api_key.allowed_models)
+    return list(entries)
+
+
+def models_for_user(user: AbstractBaseUser) -> list[ModelEntry]:
+    """The enabled models one of the user's active keys may use."""
+    api_keys = list(ApiKey.objects.active().filter(user=user))
+    entries = ModelEntry.objects.filter(enabled=True).select_related("draft_model")
+    if not any(api_key.all_models for api_key in api_keys):
+        entries = entries.filter(name__in={n for k in api_keys for n in k.allowed_models})
     return list(entries)
 
 

@@ -81,6 +81,15 @@ def totals(rows: QuerySet[DailyUsage]) -> dict[str, int]:
     return summed
 
 
+def totals_by_team(rows: QuerySet[DailyUsage]) -> dict[int, dict[str, int]]:
+    """`rows` summed per team: team id → the sums of SUMS and `total_tokens`."""
+    out = rows.values("team_id").annotate(**SUMS).order_by("team_id")
+    return {
+        row.pop("team_id"): {**row, "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}
+        for row in out
+    }
+
+
 def report(rows: QuerySet[DailyUsage], groups: list[str]) -> Report:
     by_day = [(r["day"], r["total_tokens"]) for r in grouped(rows, ["day"])]
     by_model = [(r["model"], r["total_tokens"]) for r in grouped(rows, ["model"])]

@@ -84,6 +84,11 @@ class Settlement:
     def settled(self) -> bool:
         return self._settled
 
+    @property
+    def usage_row_id(self) -> int | None:
+        """The usage row's id, once `open()` has written it."""
+        return self._usage_id
+
     async def open(self) -> None:
         """Write the usage row (in progress, with the tokens admission reserved). Cancelled
         meanwhile, it still waits for the write, which goes on in its thread: `settle` then

@@ -15,6 +15,7 @@ import re
 import uuid
 from collections.abc import Callable
 
+from asgiref.sync import sync_to_async
 from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
@@ -22,19 +23,21 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse_lazy
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_protect
 from django.views.decorators.http import require_http_methods
+from django.views.generic import TemplateView
 
 from accounts import signin
+from accounts.limits import key_use
 from accounts.models import ApiKey, Team
-from accounts.selectors import teams_for_new_keys, teams_owned_by
+from accounts.selectors import team_summaries_owned_by, teams_for_new_keys, teams_owned_by
 from accounts.services import MemberKeyRefused, member_key_create, member_key_revoke
-from engine import folder_context_length
 from inference.models import ModelEntry
 from inference.services import reports
-from inference.services.engines import get_engine_client
-from inference.services.registry import models_for_key
+from inference.services.catalog import model_catalog
+from inference.services.registry import models_for_key, models_for_user
 
 REPORT_GROUPS = ["day", "model", "key", "member", "tier"]
 REPORT_SUMS = ["requests", "prompt_tokens", "cached_tokens", "completion_tokens"]
@@ -125,9 +128,11 @@ def keys(request: HttpRequest) -> HttpResponse:
             raise Http404(str(exc)) from None
         messages.success(request, f"Revoked {api_key.prefix}….")
         return redirect("web-keys")
-    own = ApiKey.objects.filter(user=request.user).select_related("team").order_by("-created_at")
+    own = ApiKey.objects.filter(user=request.user, parent=None)  # not the playground's keys
+    own = list(own.select_related("team").order_by("-created_at"))
+    used = {key.pk: key_use(key).phrases() for key in own if key.is_active}
     context = {
-        "keys": own,
+        "keys": [(key, used.get(key.pk, [])) for key in own],
         "form": form,
         "created_key": created_key,
         "creation_token": uuid.uuid4().hex,
@@ -186,46 +191,68 @@ def _every_day(points, since: datetime.date, until: datetime.date) -> list[tuple
     return [(day, values.get(day, 0)) for day in days]
 
 
-def _bars(points: list[tuple[object, int]]) -> list[dict]:
-    """Bar-chart geometry for an inline SVG (no script): x, height and label per point."""
-    top = max((value for _, value in points), default=0) or 1
-    width = 600 / max(len(points), 1)
-    return [
+# The chart's plot area in its 600 × 190 viewBox: the y axis's labels left of CHART_LEFT.
+CHART_LEFT, CHART_TOP, CHART_BOTTOM = 56, 24, 170
+
+
+def _bars(points: list[tuple[object, int]]) -> dict:
+    """Bar-chart geometry for an inline SVG (no script): x, height and label per point, and the
+    y axis's ticks (round numbers from 0 to at or above the highest bar)."""
+    step = _tick_step(max((value for _, value in points), default=0) / 4)
+    top = step * max(1, -(-max((value for _, value in points), default=0) // step))
+    height = CHART_BOTTOM - CHART_TOP
+    width = (600 - CHART_LEFT) / max(len(points), 1)
+    bars = [
         {
-            "x": round(index * width, 1),
+            "x": round(CHART_LEFT + index * width, 1),
             "width": round(max(width - 2, 1), 1),
-            "height": round(160 * value / top, 1),
-            "y": round(170 - 160 * value / top, 1),
+            "height": round(height * value / top, 1),
+            "y": round(CHART_BOTTOM - height * value / top, 1),
             "label": str(label),
             "value": value,
         }
         for index, (label, value) in enumerate(points)
     ]
+    ticks = [
+        {"y": round(CHART_BOTTOM - height * value / top, 1), "label": _compact(value)}
+        for value in range(0, top + 1, step)
+    ]
+    return {"bars": bars, "ticks": ticks, "left": CHART_LEFT, "bottom": CHART_BOTTOM}
+
+
+def _tick_step(least: float) -> int:
+    """The smallest of 1, 2 and 5 × 10^k that is at least `least` (and at least 1)."""
+    magnitude = 1
+    while True:
+        for factor in (1, 2, 5):
+            if factor * magnitude >= least:
+                return factor * magnitude
+        magnitude *= 10
+
+
+def _compact(value: int) -> str:
+    """An axis label: 950, 1.5k, 20k, 3M."""
+    for unit, size in (("M", 1_000_000), ("k", 1_000)):
+        if value >= size:
+            return f"{value / size:.1f}".rstrip("0").rstrip(".") + unit
+    return str(value)
 
 
 @login_required
-def models_page(request: HttpRequest) -> HttpResponse:
-    keys_ = list(ApiKey.objects.active().filter(user=request.user))
-    names = set()
-    for key in keys_:
-        names |= {entry.name for entry in models_for_key(key)}
-    client = get_engine_client()
-    entries = []
-    for entry in ModelEntry.objects.filter(enabled=True, name__in=names):
-        entries.append(
-            {
-                "entry": entry,
-                "context": entry.context_length or folder_context_length(entry.path),
-                "loaded": client.model_status(entry.name).state == "serving",
-            }
-        )
-    return render(request, "web/models.html", {"models": entries})
+async def models_page(request: HttpRequest) -> HttpResponse:
+    entries = await sync_to_async(models_for_user)(await request.auser())
+    catalog = await model_catalog(entries)
+    return await sync_to_async(render)(request, "web/models.html", {"models": catalog})
 
 
 @login_required
 def team_reports(request: HttpRequest) -> HttpResponse:
-    teams = teams_owned_by(user=request.user)  # every team for superusers
-    return render(request, "web/teams.html", {"teams": teams})
+    teams = list(team_summaries_owned_by(user=request.user))  # every team for superusers
+    today = timezone.now().date()
+    month = reports.daily_rows(since=today.replace(day=1), until=today, teams=teams)
+    totals = reports.totals_by_team(month)
+    rows = [{"team": team, "month": totals.get(team.pk)} for team in teams]
+    return render(request, "web/teams.html", {"rows": rows, "month": today.replace(day=1)})
 
 
 @login_required
@@ -286,3 +313,17 @@ def admin_login_view():
 
 def logout_view():
     return auth_views.LogoutView.as_view(next_page=settings.LOGIN_URL)
+
+
+def password_set_view():
+    """Where a member invited in the admin sets their password, by the one-time link the
+    invite showed (Django's password-reset token: it stops working once the password is set)."""
+    return auth_views.PasswordResetConfirmView.as_view(
+        template_name="web/password_set.html",
+        success_url=reverse_lazy("web-password-set-done"),
+        reset_url_token="set",
+    )
+
+
+def password_set_done_view():
+    return TemplateView.as_view(template_name="web/password_set_done.html")

@@ -87,12 +87,35 @@ def test_new_key_is_shown_once_on_its_own_page(admin_client):
     assert authenticate_header(f"Bearer {raw_key}") == api_key
 
 
-def test_key_with_model_list(admin_client):
+def test_key_with_model_list_picked_from_the_registry(admin_client):
+    for name in ("a", "b"):
+        ModelEntryFactory(name=name)
+    page = admin_client.get(ADD).content.decode()
+    for name in ("a", "b"):
+        assert re.search(rf'<input type="checkbox" name="allowed_models" value="{name}"', page)
     membership = MembershipFactory()
-    form = _add_form(membership.team, membership.user, all_models="", allowed_models="b, a")
+    unknown = _add_form(membership.team, membership.user, all_models="", allowed_models=["zz"])
+    response = admin_client.post(ADD, unknown)
+    assert "allowed_models" in response.context["adminform"].form.errors
+    form = _add_form(membership.team, membership.user, all_models="", allowed_models=["b", "a"])
     admin_client.post(ADD, form)
     api_key = ApiKey.objects.get()
     assert (api_key.all_models, api_key.allowed_models) == (False, ["a", "b"])
+
+
+def test_a_teams_member_key_models_are_picked_and_a_removed_model_stays_shown(client):
+    ModelEntryFactory(name="m1")
+    team = TeamFactory(member_key_models=["gone"])  # a model since removed from the registry
+    client.force_login(StaffUserFactory())
+    change = reverse("admin:accounts_team_change", args=[team.pk])
+    page = client.get(change).content.decode()
+    assert re.search(
+        r'<input type="checkbox" name="member_key_models" value="gone"[^>]*checked', page
+    )
+    assert 'name="member_key_models" value="m1"' in page
+    assert client.post(change, _team_form(team, member_key_models=["m1"])).status_code == 302
+    team.refresh_from_db()
+    assert team.member_key_models == ["m1"]
 
 
 def test_key_user_must_belong_to_the_team(admin_client):
@@ -360,7 +383,6 @@ def test_only_superusers_set_a_teams_storage_quota_and_weight(client):
 def _team_form(team, **overrides):
     return {
         "name": team.name,
-        "member_key_models": "[]",
         "weight": "1",
         "memberships-TOTAL_FORMS": "0",
         "memberships-INITIAL_FORMS": "0",

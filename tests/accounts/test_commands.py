@@ -33,6 +33,8 @@ def test_create_prints_the_raw_key_on_stdout_only():
         "2",
         "--budget-tokens",
         "1000",
+        "--max-output-tokens",
+        "64",
         "--expires-days",
         "3",
         "--name",
@@ -48,6 +50,7 @@ def test_create_prints_the_raw_key_on_stdout_only():
         2,
         1000,
     )
+    assert api_key.max_output_tokens == 64
     assert api_key.expires_at is not None and api_key.name == "ci"
     assert api_key.team.name == "alice"
     assert Membership.objects.get().role == Membership.Role.OWNER

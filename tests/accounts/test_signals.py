@@ -77,7 +77,6 @@ def test_the_team_pages_membership_inline(world):
     rows = list(Membership.objects.filter(team=alpha).order_by("pk"))
     form = {
         "name": alpha.name,
-        "member_key_models": "[]",
         "weight": "1",
         "memberships-TOTAL_FORMS": str(len(rows)),
         "memberships-INITIAL_FORMS": str(len(rows)),

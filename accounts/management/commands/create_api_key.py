@@ -30,6 +30,9 @@ class Command(BaseCommand):
         parser.add_argument("--tpm", type=_positive, help="tokens per minute")
         parser.add_argument("--max-parallel", type=_positive, help="parallel requests")
         parser.add_argument("--budget-tokens", type=_positive, help="monthly token budget")
+        parser.add_argument(
+            "--max-output-tokens", type=_positive, help="the most one request may generate"
+        )
         parser.add_argument("--expires-days", type=_positive, help="days until the key expires")
         parser.add_argument("--name", default="", help="label")
         parser.add_argument(
@@ -60,6 +63,7 @@ class Command(BaseCommand):
                 tpm=options["tpm"],
                 max_parallel=options["max_parallel"],
                 budget_tokens=options["budget_tokens"],
+                max_output_tokens=options["max_output_tokens"],
                 expires_at=expires_at,
                 service_tiers=tiers,
             )

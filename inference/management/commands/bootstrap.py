@@ -19,6 +19,10 @@ from inference.services.usage import usage_close_stale
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # SmolLM2's recommended sampling; OpenAI's default temperature of 1 makes a 135M model ramble.
 DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+# Replies a request leaves unsized stop here: the model can repeat itself to the end of its 8k
+# context (8,155 tokens, over two minutes, on a 2-core CPU); 256 tokens take 5-15 s there, a
+# few paragraphs. No ceiling: a client that asks for more gets it.
+DEFAULT_MODEL_MAX_TOKENS = 256
 
 
 class Command(BaseCommand):
@@ -52,7 +56,7 @@ class Command(BaseCommand):
             stdout=self.stdout,
         )
         ModelEntry.objects.filter(name=DEFAULT_MODEL).update(
-            default_sampling=DEFAULT_MODEL_SAMPLING
+            default_sampling=DEFAULT_MODEL_SAMPLING, default_max_tokens=DEFAULT_MODEL_MAX_TOKENS
         )
 
     def _embedding_model(self) -> None:

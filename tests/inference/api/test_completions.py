@@ -75,7 +75,7 @@ def test_registry_default_max_tokens_applies_and_16_otherwise(client):
         client.completions.create(model=TINY, prompt="The apple", **extra).usage.completion_tokens
         == 16
     )
-    ModelEntry.objects.filter(name=TINY).update(default_sampling={"max_tokens": 3})
+    ModelEntry.objects.filter(name=TINY).update(default_max_tokens=3)
     assert (
         client.completions.create(model=TINY, prompt="The apple", **extra).usage.completion_tokens
         == 3

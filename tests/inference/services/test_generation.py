@@ -11,8 +11,15 @@ from engine import (
     completion_budget,
     validate_generation,
 )
+from inference.errors import APIError
 from inference.models import ModelEntry
-from inference.services.generation import GenerationCall, Sizing, _sampling
+from inference.services.generation import (
+    ERROR_OVER_KEY_CEILING,
+    ERROR_OVER_MODEL_CEILING,
+    GenerationCall,
+    Sizing,
+    _sampling,
+)
 
 INFO = ModelInfo(name="m", context_length=4096, vocab_size=1000, eos_token_ids=(0,))
 SERVICE = ServiceClass(tenant="team:7", weight=3.0, principal="key:9", tier="flex")
@@ -38,18 +45,41 @@ def test_every_request_of_a_call_carries_its_cache_scope_and_service_class():
 
 
 def test_a_registry_default_max_tokens_is_an_upper_bound_not_a_caller_value():
-    entry = ModelEntry(name="m", default_sampling={"max_tokens": 100_000, "temperature": 0.5})
+    entry = ModelEntry(name="m", default_max_tokens=100_000, default_sampling={"temperature": 0.5})
     call = GenerationCall("chat.completions", "m", (), "messages", sampling={"max_tokens": None})
     sampling, limit = _sampling(call, entry)
     assert sampling.max_tokens is None and sampling.temperature == 0.5 and limit == 100_000
     # Capped to what the context leaves, instead of a context_length_exceeded the caller
     # never asked for; the request stays flexible (admission may grant less).
     assert max_tokens(sized(call, entry, [4000])) == [96]
-    small = ModelEntry(name="m", default_sampling={"max_tokens": 20})
+    small = ModelEntry(name="m", default_max_tokens=20)
     assert max_tokens(sized(call, small, [10])) == [20]
     # A caller's own max_tokens is theirs: neither capped nor flexible.
     own = GenerationCall("chat.completions", "m", (), "messages", sampling={"max_tokens": 5000})
     assert _sampling(own, entry)[1] is None and max_tokens(sized(own, entry, [10])) == [5000]
+
+
+def test_output_ceilings_refuse_more_and_bound_what_the_server_sizes():
+    entry = ModelEntry(name="m", default_max_tokens=512, max_output_tokens=1000)
+    unset = GenerationCall("chat.completions", "m", (), "messages")
+    assert _sampling(unset, entry)[1] == 512
+    assert _sampling(unset, entry, key_ceiling=100)[1] == 100  # the key's is lower
+    assert _sampling(unset, ModelEntry(name="m", max_output_tokens=64))[1] == 64
+    at_ceiling = GenerationCall("chat.completions", "m", (), "messages", {"max_tokens": 1000})
+    assert _sampling(at_ceiling, entry)[0].max_tokens == 1000
+    names = {"max_tokens": "max_output_tokens"}
+    over = GenerationCall("responses", "m", (), "input", {"max_tokens": 1001}, param_names=names)
+    with pytest.raises(APIError) as caught:
+        _sampling(over, entry)
+    assert (caught.value.status, caught.value.param) == (400, "max_output_tokens")
+    assert caught.value.message == ERROR_OVER_MODEL_CEILING.format(
+        param="max_output_tokens", asked=1001, ceiling=1000, model="m"
+    )
+    with pytest.raises(APIError) as caught:
+        _sampling(at_ceiling, entry, key_ceiling=999)
+    assert caught.value.message == ERROR_OVER_KEY_CEILING.format(
+        param="max_tokens", asked=1000, ceiling=999, model="m"
+    )
 
 
 def test_the_endpoint_default_applies_when_neither_caller_nor_registry_sizes_it():

@@ -3,7 +3,8 @@
 import pytest
 from django.core.exceptions import ValidationError
 
-from inference.services.registry import model_for_key, model_register
+from inference.models import ERROR_DEFAULT_OVER_CEILING
+from inference.services.registry import model_folder_problem, model_for_key, model_register
 
 
 @pytest.mark.django_db
@@ -30,8 +31,20 @@ def test_bad_default_sampling_is_refused(tiny_model_path, defaults):
 @pytest.mark.django_db
 def test_good_default_sampling_is_accepted(tiny_model_path):
     entry = model_register(name="m", path=tiny_model_path)
-    entry.default_sampling = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "max_tokens": 256}
+    entry.default_sampling = {"temperature": 0.2, "top_p": 0.9, "top_k": 40}
+    entry.default_max_tokens, entry.max_output_tokens = 256, 256
     entry.full_clean()
+
+
+@pytest.mark.django_db
+def test_a_default_output_size_over_the_ceiling_is_refused(tiny_model_path):
+    entry = model_register(name="m", path=tiny_model_path)
+    entry.default_max_tokens, entry.max_output_tokens = 512, 100
+    with pytest.raises(ValidationError) as caught:
+        entry.full_clean()
+    assert caught.value.message_dict["default_max_tokens"] == [
+        ERROR_DEFAULT_OVER_CEILING.format(100)
+    ]
 
 
 @pytest.mark.django_db
@@ -139,3 +152,15 @@ def test_prefix_cache_shared_is_set_in_the_admin_and_reloads_nothing(admin_clien
     assert entry.prefix_cache_shared
     # It scopes requests, not the engine: the serving engine keeps its spec (no reload).
     assert model_spec(entry) == spec
+
+
+def test_only_a_model_folder_of_its_kind_is_registered(tiny_model_path, minilm_path, tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert model_folder_problem(tiny_model_path, kind="chat") is None
+    assert model_folder_problem(minilm_path, kind="embedding") is None
+    assert "does not exist" in model_folder_problem(tmp_path / "nowhere", kind="chat")
+    assert "manage.py import_gguf" in model_folder_problem(gguf, kind="chat")
+    assert "no config.json" in model_folder_problem(tmp_path, kind="chat")
+    (tmp_path / "config.json").write_text("{}")
+    assert "no tokenizer.json" in model_folder_problem(tmp_path, kind="embedding")

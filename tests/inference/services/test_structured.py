@@ -3,6 +3,7 @@ the model's own call text through the real tokenizer (token by token, added toke
 tokens), and refused schemas or grammars name their field."""
 
 import functools
+import json
 
 import llguidance
 import llguidance.hf
@@ -11,6 +12,8 @@ from transformers import AutoTokenizer
 
 from inference.errors import APIError
 from inference.services.structured import (
+    MAX_SAFE_INTEGER,
+    bounded_integers,
     extension_grammar,
     json_schema_grammar,
     response_format_grammar,
@@ -145,3 +148,38 @@ def test_a_grammar_is_checked_once_whatever_the_number_of_requests(monkeypatch):
         with pytest.raises(APIError):
             extension_grammar({"regex": "(unclosed-once"})
     assert len(checked) == 2
+
+
+def test_unbounded_integers_get_i_json_bounds_and_the_callers_schema_is_left_alone():
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "m": {"type": ["integer", "null"], "minimum": 5},
+            "big": {"type": "integer", "minimum": 10**17},
+            "e": {"enum": [{"type": "integer"}]},
+        },
+        "required": ["n", "m"],
+    }
+    before = json.dumps(schema)
+    grammar = json_schema_grammar(schema, "response_format")
+    assert json.dumps(schema) == before
+    bounded = bounded_integers(schema)["properties"]
+    assert bounded["n"] == {
+        "type": "integer",
+        "maximum": MAX_SAFE_INTEGER,
+        "minimum": -MAX_SAFE_INTEGER,
+    }
+    assert (bounded["m"]["minimum"], bounded["m"]["maximum"]) == (5, MAX_SAFE_INTEGER)
+    assert "maximum" not in bounded["big"]  # its own bound is beyond: left as the caller set it
+    assert bounded["e"] == schema["properties"]["e"]  # data, not a schema
+    hf, ll_tokenizer = tokenizers("qwen3")
+
+    def accepts(text: str) -> bool:
+        ids = hf.encode(text, add_special_tokens=False)
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    assert accepts(f'{{"n": {MAX_SAFE_INTEGER}, "m": null}}')
+    assert accepts(f'{{"n": -{MAX_SAFE_INTEGER}, "m": 5}}')
+    assert not accepts(f'{{"n": {MAX_SAFE_INTEGER}0, "m": 5}}')  # 17 digits
