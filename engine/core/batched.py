@@ -127,6 +127,7 @@ class BatchedEngine(EngineLoop):
                 self.scheduler.waiting,
             )
             self.tenants = self.scheduler.tenant_stats()  # a new dict: read by stats()
+            self.kv_cache_bytes = self.scheduler.kv_cache_bytes()
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         # All choices of a request run together, so more than the batch holds could never start.

@@ -81,6 +81,7 @@ class EngineLoop:
         self._waiting_tenants: Mapping[str, int] = {}
         self._num_running = 0
         self._num_prefilling = 0  # running requests still prefilling (the engine thread's)
+        self.kv_cache_bytes = 0  # the running sequences' caches (published by the engine thread)
         self._closing = False  # set by drain or the loop ending: submit refuses from then on
         self._draining = False  # engine thread only
         self.leftover: list = []  # commands taken with a STOP, after it (engine thread only)
@@ -193,6 +194,7 @@ class EngineLoop:
         preemptions, tenants = self.fair_share_stats()
         return dataclasses.replace(
             stats,
+            kv_cache_bytes=self.kv_cache_bytes,
             num_preemptions=preemptions,
             tenants=tenants,
             num_draft_tokens=drafted,

@@ -267,6 +267,15 @@ class Scheduler:
             for item in sampled:
                 self.fairness.charge_decode(item.seq.request, 1)
 
+    def kv_cache_bytes(self) -> int:
+        """What the running sequences' caches hold now, as the memory budget counts a batch
+        (every row at the longest row's length); 0 without a budget."""
+        rows = self.num_running_seqs
+        if self.memory is None or not rows:
+            return 0
+        longest = max(seq.num_tokens for r in self.running for seq in r.live_sequences())
+        return self.memory.need(rows, longest)
+
     def tenant_stats(self) -> dict[str, dict[str, int]]:
         """Per tenant: requests waiting, rows running, tokens served (fairness.TenantStats)."""
         stats: dict[str, list[int]] = {}

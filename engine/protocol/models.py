@@ -122,6 +122,8 @@ class EngineStats:
     # its requests waiting, rows running, and prompt and generated tokens served since load.
     num_preemptions: int = 0
     tenants: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    # Bytes the running sequences' caches hold now (as the memory budget counts them).
+    kv_cache_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from engine import (
     EmbeddingInfo,
     EngineError,
+    EngineStats,
     ModelInfo,
     folder_context_length,
     folder_embedding_context_length,
@@ -45,6 +46,10 @@ class ModelFacts:
     reasoning_parser: str | None
     quantization: str | None
     size_bytes: int | None
+    # Serving: its weights (their size on disk) and its caches now (the running sequences'
+    # and the prefix cache), and the memory budget those caches share; else None.
+    memory_bytes: int | None = None
+    memory_budget_bytes: int | None = None
 
     @property
     def status(self) -> str:
@@ -64,9 +69,10 @@ async def model_catalog(entries: list[ModelEntry]) -> list[ModelFacts]:
     own), states and folders read on threads."""
     client = get_engine_client()
     # On a thread: remote workers' states may be read from Redis.
-    states = await asyncio.to_thread(lambda: [client.model_status(e.name).state for e in entries])
+    statuses = await asyncio.to_thread(lambda: [client.model_status(e.name) for e in entries])
     served = []
-    for entry, state in zip(entries, states, strict=True):
+    for entry, status in zip(entries, statuses, strict=True):
+        state = status.state
         info: ModelInfo | EmbeddingInfo | None = None
         if state == "serving":
             # Serving: the engine answers at once, without loading anything.
@@ -76,11 +82,16 @@ async def model_catalog(entries: list[ModelEntry]) -> list[ModelFacts]:
                 info = await serving(spec)
             except EngineError:
                 pass  # stopped since: described by its folder
-        served.append((entry, state, info))
+        served.append((entry, state, info, status.stats if info is not None else None))
     return await asyncio.to_thread(lambda: [_facts(*each) for each in served])
 
 
-def _facts(entry: ModelEntry, state: str, info: ModelInfo | EmbeddingInfo | None) -> ModelFacts:
+def _facts(
+    entry: ModelEntry,
+    state: str,
+    info: ModelInfo | EmbeddingInfo | None,
+    stats: EngineStats | None = None,
+) -> ModelFacts:
     folder = folder_facts(entry.path)
     tool = reasoning = None
     if isinstance(info, ModelInfo):
@@ -104,4 +115,15 @@ def _facts(entry: ModelEntry, state: str, info: ModelInfo | EmbeddingInfo | None
         reasoning_parser=reasoning,
         quantization=folder.quantization if folder else None,
         size_bytes=folder.size_bytes if folder else None,
+        **_memory(folder.size_bytes if folder else None, stats),
     )
+
+
+def _memory(weights: int | None, stats: EngineStats | None) -> dict[str, int | None]:
+    if stats is None or weights is None:
+        return {}
+    caches = stats.kv_cache_bytes + (stats.prefix_cache or {}).get("bytes", 0)
+    return {
+        "memory_bytes": weights + caches,
+        "memory_budget_bytes": stats.memory_budget_bytes or None,
+    }

@@ -85,7 +85,10 @@ def test_the_models_page_says_what_the_api_does(
         "—",
         "—",
     ]
-    assert encoder[SIZE].endswith("MB")
+    on_disk, _, in_memory = encoder[SIZE].partition(" · ")
+    assert on_disk.endswith("MB") and in_memory.endswith("in use (weights and caches)")
+    # A chat model's caches and their budget: weights plus what the caches hold now.
+    assert "in use (weights and caches; caches' budget" in tools[SIZE]
     assert cells("tiny-broken")[STATUS] == "load failed"
 
 

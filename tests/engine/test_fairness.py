@@ -324,3 +324,15 @@ def test_a_full_waiting_queue_still_takes_another_teams_requests(tiny_llama):
     submit("c1", "C")
     with pytest.raises(EngineOverloadedError):
         submit("c2", "C")
+
+
+def test_the_running_caches_bytes_are_counted_as_the_budget_counts_them():
+    from engine.cache.budget import MemoryBudget
+
+    memory = MemoryBudget(max_bytes=10**9, bytes_per_token=10, bytes_per_sequence=100)
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, memory=memory)
+    assert sched.kv_cache_bytes() == 0
+    sched.add(request("a", "A", num_prompt=4))
+    sched.add(request("b", "B", num_prompt=9))
+    step(sched)
+    assert sched.kv_cache_bytes() == memory.need(2, 10) == 2 * (256 * 10 + 100)
