@@ -150,20 +150,12 @@ class EngineWorker:
     def _new_engine(self, spec: ModelSpec) -> Engine:
         """An engine for `spec`, not started (nothing loads until `start`)."""
         if spec.kind == "embedding":
-            engine = EmbeddingEngine(spec, lambda: self._embedding_loader(spec))
-            engine.defer_to = self._first_tokens_pending
-            return engine
+            return EmbeddingEngine(spec, lambda: self._embedding_loader(spec))
         if spec.engine not in self._engine_classes:
             raise ValueError(
                 f"unknown engine {spec.engine!r}; choose from {sorted(self._engine_classes)}"
             )
         return self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
-
-    def _first_tokens_pending(self) -> bool:
-        """Whether a generation engine here has a prompt waiting for its first token (what an
-        embedding engine defers its forwards to: engine/core/embedding.py MAX_DEFER_S)."""
-        engines = list(self._engines.values())  # a copy: the dict changes on other threads
-        return any(isinstance(e, EngineLoop) and e.first_tokens_pending() for e in engines)
 
     def _swap(self, engine: Engine, swapped: concurrent.futures.Future[Info]) -> None:
         name, error = engine.spec.name, engine.ready.exception()

@@ -123,8 +123,7 @@ class BatchedEngine(EngineLoop):
             self._publish(
                 self.scheduler.num_waiting,
                 self.scheduler.num_running_seqs,
-                self.scheduler.num_prefilling,
-                self.scheduler.waiting,
+                waiting=self.scheduler.waiting,
             )
             self.tenants = self.scheduler.tenant_stats()  # a new dict: read by stats()
             self.kv_cache_bytes = self.scheduler.kv_cache_bytes()

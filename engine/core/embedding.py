@@ -17,7 +17,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,12 +37,6 @@ MAX_BATCH_SEQUENCES = 64
 # token as 8192 (4 s a forward), so a chat engine sharing the machine waits a quarter of a
 # second, not four, behind another team's flood of embeddings.
 MAX_BATCH_TOKENS = 512
-# Before a forward, while a generation engine on the same machine has a prompt waiting for its
-# first token (`defer_to`), the embedding engine waits, at most this long a forward: embeddings
-# are bulk work, a first token is someone waiting; on a machine whose cores the two share, a
-# forward beside a prefill slows it down by half. Bounded, so embeddings still advance (at least
-# a forward every MAX_DEFER_S plus its own time) under a steady stream of chat requests.
-MAX_DEFER_S = 0.5
 
 
 class EmbeddingJob:
@@ -110,10 +103,6 @@ class EmbeddingEngine:
         self._turns = itertools.count()
         self.num_forwards = 0
         self._num_tokens = 0
-        # Set by the worker: whether a generation engine beside this one has a first token
-        # pending (MAX_DEFER_S); seconds deferred so far, for the stats' curious.
-        self.defer_to: Callable[[], bool] | None = None
-        self.deferred_s = 0.0
         self._thread = threading.Thread(
             target=self._main, name=f"orchard-embed-{spec.name}", daemon=True
         )
@@ -233,25 +222,12 @@ class EmbeddingEngine:
                 return  # _main fails the jobs left
             self._end_jobs([job for job in self._jobs if job.future.cancelled()])
             if self._jobs:
-                self._defer()
-                if self._stopping:
-                    return
                 anchor = min(self._jobs, key=lambda job: job.turn)
                 self._step(self._next_batch(anchor))
                 # To the back of the line, behind the jobs submitted during the forward.
                 anchor.turn = next(self._turns)
             elif last:
                 return
-
-    def _defer(self) -> None:
-        """Wait (at most MAX_DEFER_S) while a generation engine has a first token pending."""
-        if self.defer_to is None:
-            return
-        started = time.monotonic()
-        deadline = started + MAX_DEFER_S
-        while not self._stopping and time.monotonic() < deadline and self.defer_to():
-            time.sleep(0.005)
-        self.deferred_s += time.monotonic() - started
 
     def _take(self, *, wait: bool) -> bool:
         """Take the jobs submitted (waiting for one when `wait`); True at the end-of-queue

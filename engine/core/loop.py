@@ -80,7 +80,6 @@ class EngineLoop:
         self._queued_tenants: Counter[str] = Counter()
         self._waiting_tenants: Mapping[str, int] = {}
         self._num_running = 0
-        self._num_prefilling = 0  # running requests still prefilling (the engine thread's)
         self.kv_cache_bytes = 0  # the running sequences' caches (published by the engine thread)
         self._closing = False  # set by drain or the loop ending: submit refuses from then on
         self._draining = False  # engine thread only
@@ -168,12 +167,6 @@ class EngineLoop:
         waiting.update(self._queued_tenants)
         tenants = {t for t, n in waiting.items() if n > 0} | {tenant}
         return waiting[tenant] >= limit / len(tenants)
-
-    def first_tokens_pending(self) -> bool:
-        """Whether a request is queued, waiting or prefilling: someone waits for a first token
-        (thread-safe; a step old at worst)."""
-        with self._lock:
-            return bool(self._num_queued or self._num_waiting or self._num_prefilling)
 
     def has_requests(self) -> bool:
         """Whether any request is queued, waiting or running (thread-safe)."""
@@ -332,15 +325,14 @@ class EngineLoop:
         self,
         num_waiting: int,
         num_running: int,
-        num_prefilling: int = 0,
+        *,
         waiting: Iterable[Request] = (),
     ) -> None:
         """The engine thread's counts, for other threads: requests waiting (`waiting`, to
-        count them per tenant), rows running, requests prefilling."""
+        count them per tenant) and rows running."""
         tenants = Counter(request.spec.service.tenant for request in waiting)
         with self._lock:
             self._num_waiting, self._num_running = num_waiting, num_running
-            self._num_prefilling = num_prefilling
             self._waiting_tenants = tenants
 
     def accept(self, sampled: Sampled) -> None:

@@ -132,11 +132,6 @@ class Scheduler:
         return len(self.waiting)
 
     @property
-    def num_prefilling(self) -> int:
-        """Running requests whose prompt is not yet computed."""
-        return sum(1 for request in self.running if request.sequences[0].is_prefilling)
-
-    @property
     def num_running_seqs(self) -> int:
         return sum(len(req.live_sequences()) for req in self.running)
 

@@ -39,7 +39,7 @@ class SimpleEngine(EngineLoop):
             if self._stopping or not self._pending:
                 continue
             request = self._next()
-            self._publish(len(self._pending), len(request.sequences), 0, self._pending)
+            self._publish(len(self._pending), len(request.sequences), waiting=self._pending)
             for seq in request.sequences:
                 seq.status = RequestStatus.RUNNING
             try:
@@ -49,7 +49,7 @@ class SimpleEngine(EngineLoop):
                 self.finish(request, RequestStatus.FINISHED_ERROR, describe(exc))
             if self.fairness is not None:
                 self.fairness.leave(request)
-            self._publish(len(self._pending), 0, 0, self._pending)
+            self._publish(len(self._pending), 0, waiting=self._pending)
 
     def _next(self) -> Request:
         if self.fairness is None:
@@ -104,7 +104,7 @@ class SimpleEngine(EngineLoop):
             else:
                 self._abort_pending(payload)
         self._publish(
-            len(self._pending), len(current.sequences) if current else 0, 0, self._pending
+            len(self._pending), len(current.sequences) if current else 0, waiting=self._pending
         )
         return stop_current
 

@@ -160,35 +160,3 @@ def test_a_small_request_takes_its_turn_between_a_large_ones_forwards(gated, mod
     assert large.future.result(timeout=60).shape == (4 * MAX_BATCH_SEQUENCES, 384)
     assert forwards_when_done == {"small": 2, "large": len(gated.forwards)}
     assert len(gated.forwards) >= 5
-
-
-def test_forwards_defer_to_a_pending_first_token_but_only_for_a_while(model, monkeypatch):
-    """A generation engine beside it with a prompt waiting for its first token goes first
-    (engine/core/embedding.py MAX_DEFER_S); a steady one cannot stop embeddings."""
-    import engine.core.embedding as embedding
-
-    monkeypatch.setattr(embedding, "MAX_DEFER_S", 0.2)
-    engine = EmbeddingEngine(SPEC, lambda: model)
-    engine.start().result(timeout=60)
-    try:
-        asked = []
-        pending = threading.Event()
-        pending.set()
-
-        def first_tokens_pending() -> bool:
-            asked.append(True)
-            if len(asked) == 10:
-                pending.clear()  # the chat prompt got its first token
-            return pending.is_set()
-
-        engine.defer_to = first_tokens_pending
-        ids = model.tokenize(SENTENCES[:1])
-        assert engine.submit(ids).future.result(timeout=30)[0].shape == (model.info.dimensions,)
-        assert len(asked) >= 10 and engine.deferred_s > 0
-        # Always pending: each forward still runs after MAX_DEFER_S.
-        engine.defer_to = lambda: True
-        before = engine.deferred_s
-        engine.submit(ids).future.result(timeout=30)
-        assert engine.deferred_s - before >= 0.2
-    finally:
-        engine.stop(10)
