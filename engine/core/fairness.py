@@ -190,3 +190,67 @@ def _forget_idle(counters: dict, active: Mapping) -> None:
     floor = min(counters.get(key, 0.0) for key in active)
     for key in [k for k, value in counters.items() if k not in active and value <= floor]:
         del counters[key]
+
+
+class Turns:
+    """Whose turn it is, for one step's admissions: a lower tier under its guaranteed rows
+    first, then by tier; within a tier, tenants under their fair rows (engine/core/fairness.py
+    `fair_rows`, from the rows running and the requests waiting) before those at or over
+    them, then by the fair-share counters."""
+
+    def __init__(self, scheduler):
+        self.fairness = scheduler.fairness
+        self.rows = Rows(scheduler.running)
+        demands: dict[str, Counter[str]] = {tier: Counter() for tier in SERVICE_TIERS}
+        weights: dict[str, float] = {}
+        queued = [(r, len(r.sequences)) for r in scheduler.waiting]
+        for request, n in [*((r, len(r.live_sequences())) for r in scheduler.running), *queued]:
+            service = request.service
+            demands[service.tier][service.tenant] += n
+            weights[service.tenant] = service.weight
+        self.alloc: dict[str, dict[str, float]] = {}
+        room = scheduler.max_num_seqs
+        for tier in SERVICE_TIERS:
+            self.alloc[tier] = fair_rows(demands[tier], weights, room)
+            room = max(0, room - sum(demands[tier].values()))
+
+    def pick(self, pending, rows: Rows | None = None) -> Request:
+        rows = rows or self.rows
+        fairness = self.fairness
+        guaranteed = fairness.guaranteed_rows
+        starved = [
+            r
+            for r in pending
+            if r.service.rank > 0 and rows.by_tier.get(r.service.tier, 0) < guaranteed
+        ]
+
+        def turn(request: Request) -> tuple:
+            service = request.service
+            held = rows.by_tenant[service.tier].get(service.tenant, 0)
+            at_share = held >= math.ceil(self.alloc[service.tier].get(service.tenant, 0))
+            return (service.rank, at_share, *fairness.order(request)[1:])
+
+        return min(starved or pending, key=turn)
+
+
+class Rows:
+    """Rows of the batch by tier and by (tier, tenant), as admission plans change them."""
+
+    def __init__(self, running: list[Request] = ()):
+        self.total = 0
+        self.by_tier: Counter[str] = Counter()
+        self.by_tenant: dict[str, Counter[str]] = {tier: Counter() for tier in SERVICE_TIERS}
+        for request in running:
+            self.add(request, len(request.live_sequences()))
+
+    def add(self, request: Request, n: int) -> None:
+        self.total += n
+        self.by_tier[request.service.tier] += n
+        self.by_tenant[request.service.tier][request.service.tenant] += n
+
+    def copy(self) -> Rows:
+        rows = Rows()
+        rows.total = self.total
+        rows.by_tier = Counter(self.by_tier)
+        rows.by_tenant = {tier: Counter(c) for tier, c in self.by_tenant.items()}
+        return rows

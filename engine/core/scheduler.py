@@ -42,12 +42,12 @@ arrival order while sequence slots and memory remain.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.cache.budget import MemoryBudget
 from engine.cache.prefix import PrefixCache
-from engine.core.fairness import FairShare, TenantStats, fair_rows
+from engine.core.fairness import FairShare, Rows, TenantStats, Turns
 from engine.core.request import Request, Sequence
 from engine.core.speculative import Speculator
 from engine.protocol import SERVICE_TIERS, RequestStatus
@@ -147,7 +147,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        turns = _Turns(self) if self.fairness is not None and self.waiting else None
+        turns = Turns(self) if self.fairness is not None and self.waiting else None
         if turns is not None and self.allow_preemption:
             self._make_room(output, turns)
         budget = self.max_num_batched_tokens
@@ -218,7 +218,7 @@ class Scheduler:
         self,
         output: SchedulerOutput,
         budget: int,
-        turns: _Turns | None,
+        turns: Turns | None,
         burst: bool,
         above: int | None = None,
     ) -> int:
@@ -308,7 +308,7 @@ class Scheduler:
 
     MAX_ROOM_PER_STEP = 8  # waiting requests a step makes room for
 
-    def _make_room(self, output: SchedulerOutput, turns: _Turns) -> None:
+    def _make_room(self, output: SchedulerOutput, turns: Turns) -> None:
         """Preempt running requests for waiting ones that cannot be admitted (module docs)."""
         rows = turns.rows.copy()
         pending = list(self.waiting)
@@ -338,7 +338,7 @@ class Scheduler:
     def _victims(
         self,
         candidate: Request,
-        rows: _Rows,
+        rows: Rows,
         allocations: dict[str, dict[str, float]],
         taken: list[Request],
     ) -> list[Request] | None:
@@ -497,67 +497,3 @@ class Scheduler:
 
 def _rank(tier: str) -> int:
     return SERVICE_TIERS.index(tier)
-
-
-class _Turns:
-    """Whose turn it is, for one step's admissions: a lower tier under its guaranteed rows
-    first, then by tier; within a tier, tenants under their fair rows (engine/core/fairness.py
-    `fair_rows`, from the rows running and the requests waiting) before those at or over
-    them, then by the fair-share counters."""
-
-    def __init__(self, scheduler: Scheduler):
-        self.fairness = scheduler.fairness
-        self.rows = _Rows(scheduler.running)
-        demands: dict[str, Counter[str]] = {tier: Counter() for tier in SERVICE_TIERS}
-        weights: dict[str, float] = {}
-        queued = [(r, len(r.sequences)) for r in scheduler.waiting]
-        for request, n in [*((r, len(r.live_sequences())) for r in scheduler.running), *queued]:
-            service = request.service
-            demands[service.tier][service.tenant] += n
-            weights[service.tenant] = service.weight
-        self.alloc: dict[str, dict[str, float]] = {}
-        room = scheduler.max_num_seqs
-        for tier in SERVICE_TIERS:
-            self.alloc[tier] = fair_rows(demands[tier], weights, room)
-            room = max(0, room - sum(demands[tier].values()))
-
-    def pick(self, pending, rows: _Rows | None = None) -> Request:
-        rows = rows or self.rows
-        fairness = self.fairness
-        guaranteed = fairness.guaranteed_rows
-        starved = [
-            r
-            for r in pending
-            if r.service.rank > 0 and rows.by_tier.get(r.service.tier, 0) < guaranteed
-        ]
-
-        def turn(request: Request) -> tuple:
-            service = request.service
-            held = rows.by_tenant[service.tier].get(service.tenant, 0)
-            at_share = held >= math.ceil(self.alloc[service.tier].get(service.tenant, 0))
-            return (service.rank, at_share, *fairness.order(request)[1:])
-
-        return min(starved or pending, key=turn)
-
-
-class _Rows:
-    """Rows of the batch by tier and by (tier, tenant), as admission plans change them."""
-
-    def __init__(self, running: list[Request] = ()):
-        self.total = 0
-        self.by_tier: Counter[str] = Counter()
-        self.by_tenant: dict[str, Counter[str]] = {tier: Counter() for tier in SERVICE_TIERS}
-        for request in running:
-            self.add(request, len(request.live_sequences()))
-
-    def add(self, request: Request, n: int) -> None:
-        self.total += n
-        self.by_tier[request.service.tier] += n
-        self.by_tenant[request.service.tier][request.service.tenant] += n
-
-    def copy(self) -> _Rows:
-        rows = _Rows()
-        rows.total = self.total
-        rows.by_tier = Counter(self.by_tier)
-        rows.by_tenant = {tier: Counter(c) for tier, c in self.by_tenant.items()}
-        return rows
