@@ -30,7 +30,7 @@ from django.utils.html import format_html_join
 from django.utils.http import urlsafe_base64_encode
 from django.utils.safestring import mark_safe
 
-from accounts import keys
+from accounts import budgets_admin, keys  # noqa: F401  (budgets_admin registers its admins)
 from accounts.limits import key_use
 from accounts.models import (
     DEFAULT_SERVICE_TIERS,

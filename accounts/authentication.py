@@ -5,6 +5,7 @@ from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from accounts import keys
+from accounts.limits.budgets import budget_rows_for
 from accounts.models import ApiKey, Membership
 from accounts.services import api_key_touch_last_used
 
@@ -56,5 +57,9 @@ def authenticate_header(header: str | None) -> ApiKey:
         raise AuthenticationError(ERROR_INVALID)
     if not api_key.user_is_member:
         raise AuthenticationError(ERROR_NOT_A_MEMBER)
-    api_key_touch_last_used(api_key=api_key, now=timezone.now())
+    now = timezone.now()
+    # The budgets its requests spend today, read here with the key (the limiter would otherwise
+    # read them on the event loop's behalf, in a thread of its own).
+    api_key.budget_rows = budget_rows_for(api_key, now.date())
+    api_key_touch_last_used(api_key=api_key, now=now)
     return api_key

@@ -227,3 +227,15 @@ class SigninAttempts(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key}: {self.count}"
+
+
+# What teams may spend and the alerts about it, in a module of their own (accounts/spend.py);
+# imported here so that they are the app's models.
+from accounts.spend import (  # noqa: E402, F401
+    DEFAULT_ALERT_THRESHOLDS,
+    AlertWebhook,
+    Budget,
+    BudgetAlert,
+    WebhookDelivery,
+    validate_alert_thresholds,
+)

@@ -128,6 +128,33 @@ class ModelEntry(models.Model):
         help_text="Share cached prompt prefixes across teams. Off: each team hits only its own "
         "(another team can neither reuse nor time them).",
     )
+    source = models.CharField(
+        max_length=200,
+        blank=True,
+        help_text="The Hugging Face hub id the model was pulled from (org/name). Empty: a "
+        "local folder.",
+    )
+    source_revision = models.CharField(
+        max_length=100, blank=True, help_text="The hub commit the files were downloaded at."
+    )
+    quantization_bits = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="Bits per weight when Orchard quantized it (4 or 8)."
+    )
+    quantization_group_size = models.PositiveSmallIntegerField(null=True, blank=True)
+    size_on_disk_bytes = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="The model folder's size when it was registered."
+    )
+    pinned = models.BooleanField(
+        default=False,
+        help_text="Keep it loaded: never unloaded after idling, nor to make room for another "
+        "model in the memory budget.",
+    )
+    idle_unload_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Unload it after this many seconds without requests. Empty: the server's "
+        "default (ORCHARD_MODEL_IDLE_SECONDS); 0: never.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -217,6 +244,11 @@ class UsageRecord(models.Model):
     cached_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     reserved_tokens = models.PositiveIntegerField(default=0)
+    # What the request cost, per line item, in nano-units of ORCHARD_CURRENCY (common/money.py),
+    # at its model's price when it started; written when it is finished, never changed after.
+    input_cost = models.BigIntegerField(default=0)
+    cached_input_cost = models.BigIntegerField(default=0)
+    output_cost = models.BigIntegerField(default=0)
     time_to_first_token_ms = models.PositiveIntegerField(null=True, blank=True)
     duration_ms = models.PositiveIntegerField(null=True, blank=True)
     started_at = models.DateTimeField(db_index=True)
@@ -237,6 +269,10 @@ class UsageRecord(models.Model):
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def cost(self) -> int:
+        return self.input_cost + self.cached_input_cost + self.output_cost
+
 
 class DailyUsage(models.Model):
     """Roll-up of finished usage rows by day × team × key × model × service tier; reports read
@@ -255,6 +291,9 @@ class DailyUsage(models.Model):
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    input_cost = models.BigIntegerField(default=0)  # nano-units, as on the usage rows
+    cached_input_cost = models.BigIntegerField(default=0)
+    output_cost = models.BigIntegerField(default=0)
 
     class Meta:
         ordering = ["-date"]
@@ -265,6 +304,7 @@ class DailyUsage(models.Model):
                 name="unique_daily_usage_tier",
             )
         ]
+        indexes = [models.Index(fields=["team", "date"])]
 
     def __str__(self) -> str:
         return f"{self.date} {self.model}"
@@ -342,3 +382,12 @@ class TeamResponseStorage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.team_id}: {self.num_bytes} bytes"
+
+
+# A model's price history, in a module of its own (inference/prices.py); imported here so that
+# it is one of the app's models.
+from inference.prices import ModelPrice  # noqa: E402, F401
+
+# A pull from the hub, kept in a module of its own (inference/pulls.py); imported here so that
+# it is one of the app's models.
+from inference.pulls import ModelPull  # noqa: E402, F401

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from inference.api import chat, completions, embeddings, models, usage
+from inference.api import chat, completions, costs, embeddings, models, usage
 from inference.api.anthropic import views as anthropic
 from inference.api.responses import views as responses
 
@@ -11,6 +11,7 @@ urlpatterns = [
     path("completions", completions.completions, name="v1-completions"),
     path("embeddings", embeddings.embeddings, name="v1-embeddings"),
     path("organization/usage/completions", usage.usage_completions, name="v1-usage-completions"),
+    path("organization/costs", costs.organization_costs, name="v1-organization-costs"),
     path("messages", anthropic.messages_create, name="v1-messages"),
     path("messages/count_tokens", anthropic.count_tokens, name="v1-messages-count-tokens"),
     path("responses", responses.responses_create, name="v1-responses"),

@@ -1,5 +1,7 @@
 """Admission control for API keys: requests per minute, tokens per minute, parallel requests and
-the monthly token budget, checked and reserved in one atomic step and corrected on release.
+budgets (the key's monthly token budget, and the key's, its member's and its team's budgets in
+tokens or money: accounts/limits/budgets.py), checked and reserved in one atomic step and
+corrected on release.
 
 Two backends with one semantics:
 - in-process (REDIS_URL unset, `memory`): counters behind one lock, in this process only.
@@ -8,10 +10,13 @@ Two backends with one semantics:
 Counting rules:
 - rpm and tpm are sliding 60 s logs, not fixed buckets (which admit twice the limit across a
   bucket edge). A running request counts its reservation in tpm; once released, what it used.
-- The budget is the month's finished tokens (seeded from `ApiKeyMonthlyUsage`, which the usage
-  roll-up keeps in the same transaction as the usage row, and advanced by each release) plus the
-  reservations in flight. Callers finish the usage row before releasing, so a re-seed never
-  misses a request (it may count one twice, which errs on the safe side).
+- A budget is its period's finished usage (seeded from the database: `ApiKeyMonthlyUsage` or the
+  daily roll-ups, which the usage roll-up keeps in the same transaction as the usage row, and
+  advanced by each release) plus the reservations in flight: tokens, or for money the reserved
+  tokens at the model's dearest token price (an upper bound of what they can cost). Callers
+  finish the usage row before releasing, so a re-seed never misses a request (it may count one
+  twice, which errs on the safe side). A request is admitted only if every budget it spends has
+  room for its reservation, so what finishes never passes a budget.
 - Parallel slots are leases: a crashed process's slots come back after PARALLEL_LEASE_SECONDS.
 - A check that fails reserves nothing.
 - A flexible admission (`min_tokens`: a request that did not fix its max_tokens) reserves what
@@ -52,6 +57,13 @@ from accounts.limits.base import (
     RateLimitExceeded,
     format_duration,
 )
+from accounts.limits.budgets import (
+    BudgetLimit,
+    BudgetUse,
+    budget_usage_source,
+    budget_used,
+    key_budget_uses,
+)
 from accounts.limits.memory import InProcessLimiter
 from accounts.limits.redis import RedisLimiter
 from accounts.models import ApiKey
@@ -70,6 +82,8 @@ __all__ = [
     "PARALLEL_LEASE_SECONDS",
     "WINDOW_SECONDS",
     "Admission",
+    "BudgetLimit",
+    "BudgetUse",
     "InProcessLimiter",
     "KeyUse",
     "Limiter",
@@ -77,6 +91,8 @@ __all__ = [
     "RateLimitExceeded",
     "RedisLimiter",
     "admit",
+    "budget_usage_source",
+    "budget_used",
     "current_headers",
     "enter",
     "format_duration",
@@ -98,24 +114,29 @@ def get_limiter() -> Limiter:
 
 
 async def admit(
-    api_key: ApiKey, *, reserved_tokens: int, min_tokens: int | None = None
+    api_key: ApiKey,
+    *,
+    reserved_tokens: int,
+    min_tokens: int | None = None,
+    token_cost: int | None = None,
 ) -> Admission:
-    """Check and reserve, atomically: 1 request (rpm), `reserved_tokens` (tpm and budget), 1
+    """Check and reserve, atomically: 1 request (rpm), `reserved_tokens` (tpm and budgets), 1
     parallel slot. Raises RateLimitExceeded (with headers) and reserves nothing when a limit
     refuses. `reserved_tokens` should be prompt tokens + max_tokens; with `min_tokens`, fewer
     may be granted (never fewer than `min_tokens`): `Admission.granted_tokens` says how many.
-    Release with what was used (prompt + completion tokens, as recorded in the usage row),
-    after finishing that row."""
+    `token_cost` is the most one token of the model costs (nano-units), for money budgets.
+    Release with what was used (prompt + completion tokens and their cost, as recorded in the
+    usage row), after finishing that row."""
     return await get_limiter().admit(
-        api_key, reserved_tokens=reserved_tokens, min_tokens=min_tokens
+        api_key, reserved_tokens=reserved_tokens, min_tokens=min_tokens, token_cost=token_cost
     )
 
 
 async def enter(api_key: ApiKey) -> Admission:
     """Let a request in before its size is known: 1 request (rpm) and 1 parallel slot, no tokens
     (`Admission.reserve` reserves them later). Raises RateLimitExceeded, counting nothing, if
-    the rpm window or the parallel slots are full, or the tpm window or the budget has not one
-    token left. Release it like an admission, whatever becomes of the request."""
+    the rpm window or the parallel slots are full, or the tpm window or a budget has nothing
+    left. Release it like an admission, whatever becomes of the request."""
     return await get_limiter().enter(api_key)
 
 
@@ -138,6 +159,7 @@ class KeyUse:
     tpm: int | None
     running: int | None
     max_parallel: int | None
+    budgets: tuple[str, ...] = ()  # the key's Budget rows, in words ("2.25 of 3.00 USD ...")
 
     @property
     def budget_left(self) -> int | None:
@@ -160,14 +182,15 @@ class KeyUse:
         ):
             if limit is not None:
                 out.append(f"{'?' if used is None else f'{used:,}'} of {limit:,} {what}")
-        return out
+        return out + list(self.budgets)
 
 
 def key_use(api_key: ApiKey) -> KeyUse:
     """The key's use of its limits (a playground key's: those of the key it was made from).
     Synchronous, for views: call it off the event loop."""
     owner = api_key.parent if api_key.parent_id is not None else api_key
-    month = api_key_month_tokens(api_key_id=owner.pk, month=month_start(timezone.now().date()))
+    today = timezone.now().date()
+    month = api_key_month_tokens(api_key_id=owner.pk, month=month_start(today))
     try:
         now = async_to_sync(get_limiter().current_use)(owner)
     except LimiterUnavailable:
@@ -181,4 +204,5 @@ def key_use(api_key: ApiKey) -> KeyUse:
         tpm=owner.tpm,
         running=None if now is None else now.inflight,
         max_parallel=owner.max_parallel,
+        budgets=tuple(use.phrase() for use in key_budget_uses(owner, today)),
     )

@@ -1,8 +1,8 @@
 """What both limiter backends share: limits, verdicts, refusal errors, x-ratelimit-* headers, and
-the backend-independent half of admission (seeding, cancellation, the Admission)."""
+the backend-independent half of admission (the budgets a key spends, seeding, cancellation, the
+Admission)."""
 
 import asyncio
-import datetime
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -12,8 +12,8 @@ from enum import IntEnum
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
+from accounts.limits.budgets import BudgetLimit, budget_limits_for, budget_used, tightest
 from accounts.models import ApiKey
-from accounts.selectors import api_key_month_tokens, month_start
 from common.request_threads import detach
 
 logger = logging.getLogger(__name__)
@@ -31,9 +31,11 @@ ERROR_TOO_LARGE = (
     "max_tokens or shorten the prompt."
 )
 ERROR_PARALLEL = "Too many parallel requests for this key (limit {limit}). Try again shortly."
+# `budget` says whose and which: "key's monthly token budget", "team's monthly money budget"
+# (accounts/limits/budgets.py), and `name` who that is.
 ERROR_BUDGET = (
-    "This key's monthly token budget is exhausted (budget {limit}, used or reserved {used}, "
-    "requested {requested})."
+    "This {budget} is exhausted ({name}: budget {limit}, used or reserved {used}, requested "
+    "{requested})."
 )
 
 WINDOW_SECONDS = 60
@@ -55,12 +57,21 @@ class LimiterUnavailable(Exception):
 
 
 class RateLimitExceeded(Exception):
-    def __init__(self, message: str, *, code: str, limit: str, headers: dict[str, str]):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        limit: str,
+        headers: dict[str, str],
+        budget: BudgetLimit | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.code = code
         self.limit = limit  # which limit refused: "requests", "tokens", "parallel", "budget"
         self.headers = headers
+        self.budget = budget  # the budget that ran out, when one did
 
 
 @dataclass
@@ -68,34 +79,46 @@ class Admission:
     """A granted admission. `release` must run exactly once the request ends, after its usage row
     is finished (the caller's settlement does both); it is idempotent and cannot be interrupted
     half-way by cancellation. An admission from `Limiter.enter` holds a request of the rpm window
-    and a parallel slot but no tokens until `reserve`."""
+    and a parallel slot but no tokens until `reserve`. `budgets` are the budgets the request
+    spends (for the alerts that follow it)."""
 
     headers: dict[str, str]
     granted_tokens: int = 0  # what was reserved: the request's tokens, or less when flexible
     id: str = ""  # the backend's name for this reservation
-    _release: Callable[[int], Awaitable[None]] | None = field(default=None, repr=False)
-    _reserve: Callable[[int, int], Awaitable[tuple[int, dict[str, str]]]] | None = field(
-        default=None, repr=False
+    budgets: tuple[BudgetLimit, ...] = ()
+    _release: Callable[[int, int], Awaitable[None]] | None = field(default=None, repr=False)
+    _reserve: Callable[[int, int, int | None], Awaitable[tuple[int, dict[str, str]]]] | None = (
+        field(default=None, repr=False)
     )
     _released: bool = field(default=False, repr=False)
 
-    async def reserve(self, *, reserved_tokens: int, min_tokens: int | None = None) -> None:
-        """Reserve the tokens of an entered request (tpm and budget), as `admit` would: with
-        `min_tokens`, what the window and the budget still allow, but at least that. Raises
-        RateLimitExceeded and reserves nothing when a limit refuses; the caller still releases."""
+    async def reserve(
+        self,
+        *,
+        reserved_tokens: int,
+        min_tokens: int | None = None,
+        token_cost: int | None = None,
+    ) -> None:
+        """Reserve the tokens of an entered request (tpm and budgets), as `admit` would: with
+        `min_tokens`, what the window and the budgets still allow, but at least that.
+        `token_cost` is the most one token of the request's model costs (nano-units): each
+        money budget reserves that much per token. Raises RateLimitExceeded and reserves
+        nothing when a limit refuses; the caller still releases."""
         reserved = max(0, int(reserved_tokens))
         least = reserved if min_tokens is None else max(0, min(int(min_tokens), reserved))
         if self._reserve is None:
             self.granted_tokens = reserved
             return
-        self.granted_tokens, self.headers = await self._reserve(reserved, least)
+        self.granted_tokens, self.headers = await self._reserve(reserved, least, token_cost)
 
-    async def release(self, *, used_tokens: int) -> None:
+    async def release(self, *, used_tokens: int, used_cost: int = 0) -> None:
+        """What the request used: tokens (prompt + completion) and their cost (nano-units,
+        what its usage row records), which the budgets count from then on."""
         if self._released or self._release is None:
             self._released = True
             return
         self._released = True
-        await self._release(max(0, used_tokens))
+        await self._release(max(0, used_tokens), max(0, used_cost))
 
 
 class Status(IntEnum):
@@ -108,13 +131,14 @@ class Status(IntEnum):
 class Limits:
     ident: str
     api_key_id: int
+    team_id: int
     rpm: int | None
     tpm: int | None
     max_parallel: int | None
-    budget: int | None
+    budgets: tuple[BudgetLimit, ...] = ()  # every budget the request spends
 
     @classmethod
-    def of(cls, api_key: ApiKey) -> "Limits":
+    def of(cls, api_key: ApiKey, budgets: tuple[BudgetLimit, ...] = ()) -> "Limits":
         """The key's limits; a playground key's are those of the key it was made from, the
         same counters (authentication loads that key with it)."""
         if api_key.parent_id is not None:
@@ -122,19 +146,37 @@ class Limits:
         return cls(
             ident=api_key.prefix,
             api_key_id=api_key.pk,
+            team_id=api_key.team_id,
             rpm=api_key.rpm,
             tpm=api_key.tpm,
             max_parallel=api_key.max_parallel,
-            budget=api_key.budget_tokens,
+            budgets=budgets,
         )
 
     @property
-    def unlimited(self) -> bool:
-        return all(v is None for v in (self.rpm, self.tpm, self.max_parallel, self.budget))
+    def counters(self) -> tuple[BudgetLimit, ...]:
+        """The budgets the backends check: one per counter, the tightest."""
+        return tightest(self.budgets)
 
     @property
-    def tracks_inflight(self) -> bool:
-        return self.max_parallel is not None or self.budget is not None
+    def unlimited(self) -> bool:
+        limits = (self.rpm, self.tpm, self.max_parallel)
+        return all(v is None for v in limits) and not self.budgets
+
+
+async def limits_with_budgets(api_key: ApiKey) -> Limits:
+    """The key's limits and the budgets a request of it spends today. Authentication reads the
+    budget rows with the key (`api_key.budget_rows`); a key loaded otherwise has them read
+    here, off the event loop."""
+    day = timezone.now().date()
+    if api_key.team_id is None:  # an unsaved key (in tests): only its own budget can apply
+        return Limits.of(api_key, budget_limits_for(api_key, day, rows=()))
+    rows = getattr(api_key, "budget_rows", None)
+    if rows is None:
+        budgets = await sync_to_async(budget_limits_for)(api_key, day)
+    else:
+        budgets = budget_limits_for(api_key, day, rows)
+    return Limits.of(api_key, budgets)
 
 
 @dataclass
@@ -146,9 +188,11 @@ class Verdict:
     requests_reset_ms: int = 0  # until the rpm window is empty
     tokens_reset_ms: int = 0
     retry_ms: int = -1  # until the refused limit has room; -1 unknown
-    budget_used: int = 0  # finished + in flight, before this request
+    budget_used: int = 0  # the refusing budget's finished + in flight, before this request
+    budget_index: int = -1  # which of `Limits.counters` refused
+    need_seeds: tuple[int, ...] = ()  # which of `Limits.counters` need their seed (NEED_SEED)
     granted: int = 0  # tokens reserved when admitted
-    inflight: int = 0  # requests holding a parallel slot (counted when tracks_inflight)
+    inflight: int = 0  # requests holding a parallel slot (counted for keys with max_parallel)
 
 
 def format_duration(ms: int) -> str:
@@ -181,12 +225,21 @@ def _headers(limits: Limits, verdict: Verdict) -> dict[str, str]:
     return headers
 
 
-def _refusal(limits: Limits, verdict: Verdict, reserved: int) -> RateLimitExceeded:
+def _refusal(
+    limits: Limits, verdict: Verdict, reserved: int, rates: tuple[int, ...]
+) -> RateLimitExceeded:
     headers = _headers(limits, verdict)
     reset = format_duration(verdict.retry_ms)
+    budget = None
     if verdict.reason == "budget":
+        budget = limits.counters[verdict.budget_index]
+        requested = reserved * rates[verdict.budget_index]
         message = ERROR_BUDGET.format(
-            limit=limits.budget, used=verdict.budget_used, requested=reserved
+            budget=budget.describe(),
+            name=budget.name,
+            limit=budget.amount(budget.limit),
+            used=budget.amount(verdict.budget_used),
+            requested=budget.amount(requested),
         )
         code, limit = CODE_QUOTA, "budget"
     elif verdict.reason == "too_large":
@@ -209,7 +262,7 @@ def _refusal(limits: Limits, verdict: Verdict, reserved: int) -> RateLimitExceed
     elif verdict.retry_ms >= 0:
         headers["retry-after-ms"] = str(verdict.retry_ms)
         headers["retry-after"] = str(max(1, -(-verdict.retry_ms // 1000)))
-    return RateLimitExceeded(message, code=code, limit=limit, headers=headers)
+    return RateLimitExceeded(message, code=code, limit=limit, headers=headers, budget=budget)
 
 
 # A release the backend could not confirm is retried after each of these delays (releases are
@@ -223,57 +276,70 @@ def _in_background(coroutine) -> None:
 
 
 class Limiter:
-    """The backend-independent half: seeding, headers, errors, the Admission.
+    """The backend-independent half: budgets and their seeds, headers, errors, the Admission.
 
     A request is admitted in one step (`admit`), or in two: `enter` before any work is spent on
     it (it counts in the rpm window and holds a parallel slot, reserving no tokens), then
     `Admission.reserve` once its size is known. A refused entry counts nothing; an entered
-    request counts in the rpm window whatever becomes of it (a 400 included)."""
+    request counts in the rpm window whatever becomes of it (a 400 included). Each budget holds
+    its finished usage and the reservations in flight (tokens × rate: 1, or for money the
+    model's dearest token), each a lease like a parallel slot."""
 
     async def admit(
-        self, api_key: ApiKey, *, reserved_tokens: int, min_tokens: int | None = None
+        self,
+        api_key: ApiKey,
+        *,
+        reserved_tokens: int,
+        min_tokens: int | None = None,
+        token_cost: int | None = None,
     ) -> Admission:
         """Reserve `reserved_tokens`; with `min_tokens`, as many of them as the tpm window and
-        the budget still allow, but at least `min_tokens` (`Admission.granted_tokens` says how
-        many)."""
-        limits = Limits.of(api_key)
+        the budgets still allow, but at least `min_tokens` (`Admission.granted_tokens` says how
+        many). `token_cost`: the most one token costs (nano-units), for money budgets."""
+        limits = await limits_with_budgets(api_key)
         reserved = max(0, int(reserved_tokens))
         if limits.unlimited:
             return Admission(headers={}, granted_tokens=reserved)
         least = reserved if min_tokens is None else max(0, min(int(min_tokens), reserved))
-        verdict, admission_id, month = await self._verdict(limits, reserved, least, "admit")
+        rates = _rates(limits, token_cost)
+        verdict, admission_id = await self._verdict(limits, reserved, least, rates, "admit")
         if verdict.status == Status.REJECTED:
-            raise _refusal(limits, verdict, least)
-        return self._admission(limits, verdict, admission_id, month)
+            raise _refusal(limits, verdict, least, rates)
+        return self._admission(limits, verdict, admission_id)
 
     async def enter(self, api_key: ApiKey) -> Admission:
         """Let a request in before its size is known, reserving no tokens: refused (counting
-        nothing) when the rpm window or the parallel slots are full, or the tpm window or the
-        budget has not one token left."""
-        limits = Limits.of(api_key)
+        nothing) when the rpm window or the parallel slots are full, or the tpm window or a
+        budget has nothing left."""
+        limits = await limits_with_budgets(api_key)
         if limits.unlimited:
-            return Admission(headers={})
-        verdict, admission_id, month = await self._verdict(limits, 1, 1, "enter")
+            return Admission(headers={}, budgets=limits.budgets)
+        rates = _rates(limits, None)
+        verdict, admission_id = await self._verdict(limits, 1, 1, rates, "enter")
         if verdict.status == Status.REJECTED:
-            raise _refusal(limits, verdict, 1)
-        return self._admission(limits, verdict, admission_id, month, entered=True)
+            raise _refusal(limits, verdict, 1, rates)
+        return self._admission(limits, verdict, admission_id, entered=True)
 
-    def _admission(self, limits, verdict, admission_id, month, *, entered=False) -> Admission:
-        async def release(used_tokens: int) -> None:
-            await self._release_or_retry(limits, admission_id, used_tokens, month)
+    def _admission(self, limits, verdict, admission_id, *, entered=False) -> Admission:
+        async def release(used_tokens: int, used_cost: int) -> None:
+            await self._release_or_retry(limits, admission_id, used_tokens, used_cost)
 
-        async def reserve(reserved: int, least: int) -> tuple[int, dict[str, str]]:
-            verdict, _, _ = await self._verdict(
-                limits, reserved, least, "reserve", admission_id=admission_id, month=month
+        async def reserve(
+            reserved: int, least: int, token_cost: int | None
+        ) -> tuple[int, dict[str, str]]:
+            rates = _rates(limits, token_cost)
+            verdict, _ = await self._verdict(
+                limits, reserved, least, rates, "reserve", admission_id=admission_id
             )
             if verdict.status == Status.REJECTED:
-                raise _refusal(limits, verdict, least)
+                raise _refusal(limits, verdict, least, rates)
             return verdict.granted, _headers(limits, verdict)
 
         return Admission(
             headers=_headers(limits, verdict),
             granted_tokens=verdict.granted,
             id=admission_id,
+            budgets=limits.budgets,
             _release=release,
             _reserve=reserve if entered else None,
         )
@@ -283,31 +349,29 @@ class Limiter:
         limits: Limits,
         reserved: int,
         least: int,
+        rates: tuple[int, ...],
         mode: str,
         *,
         admission_id: str | None = None,
-        month: datetime.date | None = None,
-    ) -> tuple[Verdict, str, datetime.date]:
-        month = month or month_start(timezone.now().date())
+    ) -> tuple[Verdict, str]:
         admission_id = admission_id or uuid.uuid4().hex
-        seed = None
+        seeds: list[int | None] = [None] * len(limits.counters)
         while True:
             verdict = await self._check_or_undo(
-                limits, admission_id, reserved, least, month, seed, mode
+                limits, admission_id, reserved, least, rates, tuple(seeds), mode
             )
             if verdict.status != Status.NEED_SEED:
-                return verdict, admission_id, month
-            seed = await sync_to_async(api_key_month_tokens)(
-                api_key_id=limits.api_key_id, month=month
-            )
+                return verdict, admission_id
+            for index in verdict.need_seeds:
+                seeds[index] = await sync_to_async(budget_used)(limits.counters[index])
 
     async def _check_or_undo(
-        self, limits, admission_id, reserved, least, month, seed, mode
+        self, limits, admission_id, reserved, least, rates, seeds, mode
     ) -> Verdict:
         """The check, run to its end even if the caller is cancelled meanwhile; a reservation it
         makes for a caller that is gone is released at once instead of leaking until expiry."""
         check = asyncio.ensure_future(
-            self._check(limits, admission_id, reserved, least, month, seed, mode)
+            self._check(limits, admission_id, reserved, least, rates, seeds, mode)
         )
         try:
             return await asyncio.shield(check)
@@ -317,7 +381,7 @@ class Limiter:
                 if done.cancelled() or done.exception() is not None:
                     return
                 if done.result().status == Status.ADMITTED and mode in ("admit", "enter"):
-                    _in_background(self._retry_release(limits, admission_id, 0, month, first=0))
+                    _in_background(self._retry_release(limits, admission_id, 0, 0, first=0))
 
             check.add_done_callback(undo)
             raise
@@ -325,32 +389,30 @@ class Limiter:
             # The backend may have reserved before its answer was lost: undo, to be sure (a lost
             # "reserve" is undone by its entry's release).
             if mode in ("admit", "enter"):
-                _in_background(self._retry_release(limits, admission_id, 0, month, first=0))
+                _in_background(self._retry_release(limits, admission_id, 0, 0, first=0))
             raise
 
-    async def _release_or_retry(self, limits, admission_id, used, month) -> None:
+    async def _release_or_retry(self, limits, admission_id, used, cost) -> None:
         """Release; if the backend does not answer, retry in the background and return."""
         try:
-            await self._release(limits, admission_id, used, month)
+            await self._release(limits, admission_id, used, cost)
         except LimiterUnavailable:
-            _in_background(self._retry_release(limits, admission_id, used, month))
+            _in_background(self._retry_release(limits, admission_id, used, cost))
             raise
 
-    async def _retry_release(self, limits, admission_id, used, month, first=None) -> None:
+    async def _retry_release(self, limits, admission_id, used, cost, first=None) -> None:
         delays = RELEASE_RETRY_DELAYS_S if first is None else (first, *RELEASE_RETRY_DELAYS_S)
         for delay in delays:
             await asyncio.sleep(delay)
             try:
-                await self._release(limits, admission_id, used, month)
+                await self._release(limits, admission_id, used, cost)
                 return
             except LimiterUnavailable:
                 continue
         logger.error("limiter release of %s abandoned; it lapses on its own", admission_id)
 
     async def current_use(self, api_key: ApiKey) -> Verdict:
-        """The key's counters now, counting nothing: requests and tokens in the window, and
-        requests in flight (kept for keys with a parallel limit or a budget). A key without
-        limits has none: all zero."""
+        """The key's counters now, counting nothing (a key without limits has none: zeros)."""
         limits = Limits.of(api_key)
         if limits.unlimited:
             return Verdict(status=Status.ADMITTED)
@@ -368,20 +430,25 @@ class Limiter:
         admission_id: str,
         reserved: int,
         least: int,
-        month: datetime.date,
-        seed,
+        rates: tuple[int, ...],
+        seeds: tuple[int | None, ...],
         mode: str,
     ) -> Verdict:
         """Mode "admit": count the request, take a parallel slot and reserve between `least`
-        and `reserved` tokens; "enter": only count the request and take the slot (judged as a
-        request of one token); "reserve": reserve the tokens of the entered `admission_id`.
-        Status.NEED_SEED when the budget needs the month's tokens."""
+        and `reserved` tokens (× each budget's rate in `rates`); "enter": only count the request
+        and take the slot (judged as a request of one token); "reserve": reserve the tokens of
+        the entered `admission_id`. `seeds[i]` is counter i's finished usage when known;
+        Status.NEED_SEED (with `need_seeds`) when a counter needs it."""
         raise NotImplementedError
 
     async def _peek(self, limits: Limits) -> Verdict:
         raise NotImplementedError
 
-    async def _release(
-        self, limits: Limits, admission_id: str, used: int, month: datetime.date
-    ) -> None:
+    async def _release(self, limits: Limits, admission_id: str, used: int, cost: int) -> None:
+        """End the reservation `admission_id`: the tpm window and the token budgets count
+        `used` tokens, the money budgets `cost` nano-units. A second release changes nothing."""
         raise NotImplementedError
+
+
+def _rates(limits: Limits, token_cost: int | None) -> tuple[int, ...]:
+    return tuple(budget.rate(token_cost) for budget in limits.counters)

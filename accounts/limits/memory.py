@@ -1,7 +1,6 @@
 """The in-process backend (REDIS_URL unset): counters behind one `threading.Lock`, because the web
 process may run several event-loop threads; nothing is awaited while it is held."""
 
-import datetime
 import threading
 import time
 from collections import deque
@@ -15,6 +14,7 @@ from accounts.limits.base import (
     Status,
     Verdict,
 )
+from accounts.limits.budgets import TOKENS
 
 
 @dataclass
@@ -31,8 +31,17 @@ class _KeyState:
 
 @dataclass
 class _Budget:
-    finished: int  # the month's finished tokens, seeded from the database and advanced by releases
-    expires_at: float  # then dropped and re-seeded, as the Redis backend's key TTL does
+    # The period's finished usage, seeded from the database and advanced by releases; None once
+    # idle past `expires_at` (then re-seeded, as the Redis backend's key TTL does).
+    finished: int | None = None
+    expires_at: float = 0.0
+    held: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (lease end, amount)
+
+    def purge(self, now: float) -> None:
+        for admission_id in [i for i, (end, _) in self.held.items() if end <= now]:
+            del self.held[admission_id]
+        if self.finished is not None and self.expires_at <= now:
+            self.finished = None
 
 
 class InProcessLimiter(Limiter):
@@ -48,7 +57,7 @@ class InProcessLimiter(Limiter):
         self._budget_idle_ms = budget_idle_seconds * 1000
         self._lock = threading.Lock()
         self._keys: dict[str, _KeyState] = {}
-        self._used: dict[tuple[str, datetime.date], _Budget] = {}
+        self._budgets: dict[str, _Budget] = {}  # by counter (accounts/limits/budgets.py)
         self._next_sweep_at = 0.0
 
     def _purge(self, state: _KeyState, now: float) -> None:
@@ -76,9 +85,10 @@ class InProcessLimiter(Limiter):
             self._purge(state, now)
             if state.empty:
                 del self._keys[ident]
-        for used_key, budget in list(self._used.items()):
-            if budget.expires_at <= now:
-                del self._used[used_key]
+        for counter, budget in list(self._budgets.items()):
+            budget.purge(now)
+            if budget.finished is None and not budget.held:
+                del self._budgets[counter]
 
     def _counts(self, state: _KeyState, now: float) -> Verdict:
         verdict = Verdict(status=Status.ADMITTED)
@@ -100,7 +110,7 @@ class InProcessLimiter(Limiter):
                 return int(at + self._window_ms - now)
         return -1
 
-    async def _check(self, limits, admission_id, reserved, least, month, seed, mode) -> Verdict:
+    async def _check(self, limits, admission_id, reserved, least, rates, seeds, mode) -> Verdict:
         enters, reserves = mode in ("admit", "enter"), mode in ("admit", "reserve")
         with self._lock:
             now = time.monotonic() * 1000
@@ -109,20 +119,26 @@ class InProcessLimiter(Limiter):
             self._purge(state, now)
             verdict = self._counts(state, now)
             grant = reserved
-            budget = None
-            if limits.budget is not None:
-                used_key = (limits.ident, month)
-                budget = self._used.get(used_key)
-                if budget is None or budget.expires_at <= now:
-                    if seed is None:
-                        return Verdict(status=Status.NEED_SEED)
-                    budget = self._used[used_key] = _Budget(seed, now + self._budget_idle_ms)
-                in_flight = sum(tokens for _, tokens in state.inflight.values())
-                verdict.budget_used = budget.finished + in_flight
-                if verdict.budget_used + least > limits.budget:
+            budgets = [self._budgets.setdefault(b.counter, _Budget()) for b in limits.counters]
+            missing = []
+            for index, budget in enumerate(budgets):
+                budget.purge(now)
+                if budget.finished is None:
+                    if seeds[index] is None:
+                        missing.append(index)
+                        continue
+                    budget.finished = seeds[index]
+                    budget.expires_at = now + self._budget_idle_ms
+            if missing:
+                return Verdict(status=Status.NEED_SEED, need_seeds=tuple(missing))
+            for index, (budget, limit) in enumerate(zip(budgets, limits.counters, strict=True)):
+                used = budget.finished + sum(amount for _, amount in budget.held.values())
+                if used + least * rates[index] > limit.limit:
                     verdict.status, verdict.reason = Status.REJECTED, "budget"
+                    verdict.budget_used, verdict.budget_index = used, index
                     return verdict
-                grant = min(grant, limits.budget - verdict.budget_used)
+                if rates[index] > 0:
+                    grant = min(grant, (limit.limit - used) // rates[index])
             if limits.tpm is not None and least > limits.tpm:
                 verdict.status, verdict.reason = Status.REJECTED, "too_large"
                 return verdict
@@ -154,12 +170,14 @@ class InProcessLimiter(Limiter):
                 state.tokens[admission_id] = [now, grant]
                 verdict.tokens += grant
                 verdict.tokens_reset_ms = int(self._window_ms)
-            if limits.tracks_inflight:
+            if enters and limits.max_parallel is not None:
+                state.inflight[admission_id] = (now + self._lease_ms, grant)
+            for index, budget in enumerate(budgets):
                 if enters:
-                    state.inflight[admission_id] = (now + self._lease_ms, grant)
-                elif admission_id in state.inflight:
-                    state.inflight[admission_id] = (state.inflight[admission_id][0], grant)
-            if budget is not None:
+                    budget.held[admission_id] = (now + self._lease_ms, grant * rates[index])
+                elif admission_id in budget.held:
+                    lease_end = budget.held[admission_id][0]
+                    budget.held[admission_id] = (lease_end, grant * rates[index])
                 budget.expires_at = now + self._budget_idle_ms
             return verdict
 
@@ -172,13 +190,18 @@ class InProcessLimiter(Limiter):
             self._purge(state, now)
             return self._counts(state, now)
 
-    async def _release(self, limits, admission_id, used, month) -> None:
+    async def _release(self, limits, admission_id, used, cost) -> None:
         with self._lock:
             state = self._keys.get(limits.ident)
             if state is not None:
                 if admission_id in state.tokens:
                     state.tokens[admission_id][1] = used
                 state.inflight.pop(admission_id, None)
-            budget = self._used.get((limits.ident, month))
-            if limits.budget is not None and budget is not None:
-                budget.finished += used
+            for limit in limits.counters:
+                budget = self._budgets.get(limit.counter)
+                # Only the release that ended the reservation counts: a retried one changes
+                # nothing (as in Redis).
+                if budget is None or budget.held.pop(admission_id, None) is None:
+                    continue
+                if budget.finished is not None:
+                    budget.finished += used if limit.unit == TOKENS else cost

@@ -13,6 +13,7 @@ from django.utils import timezone
 from accounts import keys
 from accounts.admin import KeySearchMixin, ReadOnlyAdmin, VisibleTeamFilter
 from accounts.models import ApiKey, Team
+from common.money import format_money
 from inference.admin.lists import CappedCountPaginator, WideListMixin, admin_list_rows
 from inference.admin.running import running_view
 from inference.models import DailyUsage, UsageRecord
@@ -43,6 +44,7 @@ class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
         "model",
         "status",
         "tokens",
+        "cost",
         "duration",
         "error_code",
     ]
@@ -79,6 +81,10 @@ class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
     def tokens(self, obj: UsageRecord) -> str:
         cached = f" ({obj.cached_tokens:,} cached)" if obj.cached_tokens else ""
         return f"{obj.prompt_tokens:,}{cached} / {obj.completion_tokens:,}"
+
+    @admin.display(description="cost")
+    def cost(self, obj: UsageRecord) -> str:
+        return format_money(obj.cost, with_currency=False) if obj.cost else "-"
 
     @admin.display(description="duration", ordering="duration_ms")
     def duration(self, obj: UsageRecord) -> str:
@@ -154,6 +160,7 @@ class DailyUsageAdmin(WideListMixin, ReadOnlyAdmin):
         "prompt_tokens",
         "cached_tokens",
         "completion_tokens",
+        "cost",
     ]
     list_filter = [
         ("date", admin.DateFieldListFilter),
@@ -179,6 +186,10 @@ class DailyUsageAdmin(WideListMixin, ReadOnlyAdmin):
             if count
         ]
         return f"{obj.num_requests:,}" + (f" ({', '.join(parts)})" if parts else "")
+
+    @admin.display(description="cost")
+    def cost(self, obj: DailyUsage) -> str:
+        return format_money(obj.input_cost + obj.cached_input_cost + obj.output_cost)
 
     def get_queryset(self, request):
         return daily_usage_visible_to(user=request.user)

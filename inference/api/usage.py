@@ -3,8 +3,10 @@ like OpenAI's organization usage API (daily buckets of results, `group_by`, curs
 
 Who may read: a signed-in session of a team owner or a superuser (their teams), or an API key
 marked `reads_usage` (its own team). `project_id` is the team; `api_key_id` a key's prefix;
-`user_id` a member's username; `service_tier` the tier requests were served in. Read from the
-daily roll-ups, so a year of a busy team is cheap.
+`user_id` a member's username; `service_tier` the tier requests were served in; each result
+also says what its requests cost (`cost`, Orchard's own field). Read from the daily roll-ups, so
+a year of a busy team is cheap. The costs endpoint (inference/api/costs.py) shares the
+authorization and the paging.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from accounts.authentication import AuthenticationError, authenticate_header
 from accounts.models import Team
 from accounts.selectors import teams_owned_by
+from common.money import currency, from_nanos
 from inference.errors import APIError, error_response
 from inference.services import reports
 
@@ -112,11 +115,8 @@ class UsageCompletions(APIView):
         teams = self.teams(request)
         if q.get("project_ids"):
             teams = [t for t in teams if t.pk in set(q["project_ids"])]
-        first = _day(q["start_time"])
-        last = _day(q["end_time"] - 1) if q.get("end_time") else timezone.now().date()
-        begin = max(first, q["page"]) if q.get("page") else first
-        days = [begin + datetime.timedelta(days=i) for i in range((last - begin).days + 1)]
-        page_days, more = days[: q["limit"]], len(days) > q["limit"]
+        days, page_days, more = page_of_days(q)
+        begin = days[0] if days else _day(q["start_time"])
         rows = reports.daily_rows(
             since=begin, until=page_days[-1] if page_days else begin, teams=teams
         )
@@ -136,23 +136,41 @@ class UsageCompletions(APIView):
         else:
             for row in reports.grouped(rows, groups):
                 results.setdefault(row["day"], []).append(_result(row, q["group_by"], None))
-        data = [
-            {
-                "object": "bucket",
-                "start_time": _start(day),
-                "end_time": _start(day + datetime.timedelta(days=1)),
-                "results": results.get(day, []),
-            }
-            for day in page_days
-        ]
-        return Response(
-            {
-                "object": "page",
-                "data": data,
-                "has_more": more,
-                "next_page": days[q["limit"]].isoformat() if more else None,
-            }
-        )
+        return Response(bucket_page(days, page_days, more, results, q["limit"]))
+
+
+def page_of_days(q: dict) -> tuple[list[datetime.date], list[datetime.date], bool]:
+    """The query's days from its page on, this page's (at most `limit`), and whether more
+    follow."""
+    first = _day(q["start_time"])
+    last = _day(q["end_time"] - 1) if q.get("end_time") else timezone.now().date()
+    begin = max(first, q["page"]) if q.get("page") else first
+    days = [begin + datetime.timedelta(days=i) for i in range((last - begin).days + 1)]
+    return days, days[: q["limit"]], len(days) > q["limit"]
+
+
+def bucket_page(days, page_days, more, results: dict, limit: int) -> dict:
+    """OpenAI's page of daily buckets."""
+    data = [
+        {
+            "object": "bucket",
+            "start_time": _start(day),
+            "end_time": _start(day + datetime.timedelta(days=1)),
+            "results": results.get(day, []),
+        }
+        for day in page_days
+    ]
+    return {
+        "object": "page",
+        "data": data,
+        "has_more": more,
+        "next_page": days[limit].isoformat() if more else None,
+    }
+
+
+def money_amount(nanos: int) -> dict:
+    """OpenAI's `amount`: a number and the currency in lower case."""
+    return {"value": float(from_nanos(nanos)), "currency": currency().lower()}
 
 
 def _result(row: dict, group_by: list[str], team: Team | None) -> dict:
@@ -170,6 +188,8 @@ def _result(row: dict, group_by: list[str], team: Team | None) -> dict:
         "model": row.get("model") if "model" in group_by else None,
         "service_tier": row.get("tier") if "service_tier" in group_by else None,
         "batch": None,
+        # Orchard's own: what these requests cost (the costs endpoint has it by line item).
+        "cost": money_amount(row["cost"]),
     }
 
 

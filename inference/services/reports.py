@@ -1,6 +1,6 @@
-"""Usage reports for the web pages and the usage API, read from the daily roll-ups
-(`DailyUsage`: one row per day × team × key × model × service tier), never from the per-request
-rows, so they stay fast however many requests there were."""
+"""Usage reports for the web pages and the usage and costs APIs, read from the daily roll-ups
+(`DailyUsage`: one row per day × team × key × model × service tier, with their tokens and cost),
+never from the per-request rows, so they stay fast however many requests there were."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ SUMS = {
     "prompt_tokens": Sum("prompt_tokens"),
     "cached_tokens": Sum("cached_tokens"),
     "completion_tokens": Sum("completion_tokens"),
+    # Nano-units of ORCHARD_CURRENCY (common/money.py), the three line items together.
+    "cost": Sum(F("input_cost") + F("cached_input_cost") + F("output_cost")),
 }
 
 
@@ -34,8 +36,8 @@ class Report:
     rows: list[dict[str, Any]]
     totals: dict[str, int]
     by_day: list[tuple[datetime.date, int]] = field(default_factory=list)
-    by_model: list[tuple[str, int]] = field(default_factory=list)
-    by_tier: list[tuple[str, int]] = field(default_factory=list)
+    by_model: list[tuple[str, int, int]] = field(default_factory=list)  # (model, tokens, cost)
+    by_tier: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def daily_rows(
@@ -92,6 +94,6 @@ def totals_by_team(rows: QuerySet[DailyUsage]) -> dict[int, dict[str, int]]:
 
 def report(rows: QuerySet[DailyUsage], groups: list[str]) -> Report:
     by_day = [(r["day"], r["total_tokens"]) for r in grouped(rows, ["day"])]
-    by_model = [(r["model"], r["total_tokens"]) for r in grouped(rows, ["model"])]
-    by_tier = [(r["tier"], r["total_tokens"]) for r in grouped(rows, ["tier"])]
+    by_model = [(r["model"], r["total_tokens"], r["cost"]) for r in grouped(rows, ["model"])]
+    by_tier = [(r["tier"], r["total_tokens"], r["cost"]) for r in grouped(rows, ["tier"])]
     return Report(grouped(rows, groups), totals(rows), sorted(by_day), by_model, by_tier)

@@ -6,8 +6,9 @@ up to date with what its client received). `open()` writes the usage row, in pro
 the accounting never depends on the request finishing. `settle()` runs exactly once, whatever
 ends the request (finished, client gone, engine error, a cancellation before the body was
 read), and never raises: it records the metrics, finishes the row with the tokens the client
-received (retried in the background if the database refuses, never lost), then releases the
-reservation with what was used. Rows still open when the process exits are finished by
+received and their cost (retried in the background if the database refuses, never lost), then
+releases the reservation with what was used, and hands the budgets it spent to the alerts'
+background worker. Rows still open when the process exits are finished by
 `settlements_finish_open`.
 """
 
@@ -25,12 +26,14 @@ from dataclasses import dataclass, field
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
+from accounts import alerts as budget_alerts
 from accounts import limits
 from accounts.models import ApiKey
 from common.request_threads import detach
 from inference.models import UsageRecord
 from inference.services import metrics
 from inference.services.engines import after_engines_stop
+from inference.services.prices import FREE, Price
 from inference.services.usage import DEFAULT_TIER, usage_finish, usage_open
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ class Settlement:
     endpoint: str
     admission: limits.Admission
     service_tier: str = DEFAULT_TIER  # the tier the request is served in, on its usage row
+    price: Price = FREE  # what it is billed at: its model's price when it was admitted
     usage: Usage = field(default_factory=Usage)
     _usage_id: int | None = None
     _settled: bool = False
@@ -142,9 +146,15 @@ class Settlement:
         metrics.request_finished(endpoint=self.endpoint, model=self.model, status=status, **usage)
         # The usage row first: a limiter re-seeding its budget from the database in between
         # then counts this request twice (safe) rather than not at all.
-        used_tokens = 0  # no row: nothing ran that anyone is billed for
+        used_tokens = used_cost = 0  # no row: nothing ran that anyone is billed for
         if self._usage_id is not None:
             used_tokens = self.usage.total_tokens
+            # What the row records (usage_finish prices it the same way).
+            used_cost = self.price.cost(
+                prompt_tokens=self.usage.prompt_tokens,
+                cached_tokens=self.usage.cached_tokens,
+                completion_tokens=self.usage.completion_tokens,
+            ).total
             await self._finish_row(
                 functools.partial(
                     usage_finish,
@@ -152,15 +162,19 @@ class Settlement:
                     status=status,
                     error_code=error_code,
                     finished_at=timezone.now(),
+                    price=self.price,
                     **usage,
                 )
             )
         try:
-            await self.admission.release(used_tokens=used_tokens)
+            await self.admission.release(used_tokens=used_tokens, used_cost=used_cost)
         except Exception:
             # The reservation lapses on its own (tpm window, parallel lease).
             logger.exception("limiter release of %s failed", self.request_id)
         _open_settlements.pop(id(self), None)
+        if used_tokens and self.admission.budgets:
+            # Alerts are checked and sent by a background worker: never this request's time.
+            budget_alerts.spent(self.admission.budgets)
 
     async def _finish_row(self, write: Callable[[], bool]) -> None:
         """Finish the row (writing it twice is safe: a finished row is left alone)."""
@@ -222,6 +236,7 @@ def settlements_finish_open() -> int:
                 record_id=settlement._usage_id,
                 status=UsageRecord.Status.FAILED,
                 error_code=ERROR_SERVER_SHUTDOWN,
+                price=settlement.price,
                 **dataclasses.asdict(settlement.usage),
             )
         except Exception:

@@ -1,5 +1,6 @@
-"""Usage accounting: a row opened at admission, finished exactly once, rolled up daily (and into
-the key's month, which the budget limiter seeds from) in the same transaction.
+"""Usage accounting: a row opened at admission, finished exactly once with its cost (at the price
+its request was admitted at: inference/services/prices.py), rolled up daily (and into the key's
+month, which the budget limiter seeds from) in the same transaction.
 
 A row left in progress by a crashed process is closed by `usage_close_stale` as failed with
 ERROR_SERVER_RESTARTED. In a deployment of several processes a starting process cannot tell a
@@ -21,6 +22,7 @@ from accounts.models import ApiKey, Team
 from accounts.selectors import month_start, teams_visible_to
 from accounts.services import api_key_monthly_usage_add
 from inference.models import DailyUsage, UsageRecord
+from inference.services.prices import Price, price_at
 
 ERROR_SERVER_RESTARTED = "server_restarted"
 DEFAULT_TIER = "default"
@@ -112,6 +114,9 @@ def usage_record_finished(
 ) -> UsageRecord:
     """A row written once, finished, for a request that does not stream, rolled up at once."""
     now = timezone.now()
+    cost = price_at(model=model, at=started_at).cost(
+        prompt_tokens=prompt_tokens, cached_tokens=0, completion_tokens=0
+    )
     record = _record(
         request_id=request_id,
         api_key=api_key,
@@ -124,6 +129,7 @@ def usage_record_finished(
         duration_ms=int((now - started_at).total_seconds() * 1000),
         started_at=started_at,
         finished_at=now,
+        input_cost=cost.input,
     )
     _roll_up(record, sign=1)
     return record
@@ -140,10 +146,13 @@ def usage_finish(
     time_to_first_token_ms: int | None = None,
     error_code: str = "",
     finished_at: datetime.datetime | None = None,
+    price: Price | None = None,
 ) -> bool:
-    """Finish an open row and roll it up, in one transaction. Returns False (and changes nothing)
-    when the row was already finished, so a retry or a racing finish can never count twice. A row
-    closed by the start-up sweep is the exception: the real finish replaces the sweep's."""
+    """Finish an open row with its cost and roll it up, in one transaction. `price` is the one
+    the request was admitted at (None: the model's price when the row started). Returns False
+    (and changes nothing) when the row was already finished, so a retry or a racing finish can
+    never count twice. A row closed by the start-up sweep is the exception: the real finish
+    replaces the sweep's."""
     if status not in _STATUS_COUNTERS:
         raise ValueError(f"Cannot finish a usage row as {status!r}.")
     record = UsageRecord.objects.select_for_update().get(pk=record_id)
@@ -163,9 +172,24 @@ def usage_finish(
     record.duration_ms = int((now - record.started_at).total_seconds() * 1000)
     record.error_code = error_code
     record.finished_at = now
+    _price(record, price)
     record.save()
     _roll_up(record, sign=1)
     return True
+
+
+def _price(record: UsageRecord, price: Price | None) -> None:
+    """Write the row's cost for its tokens."""
+    if price is None:
+        price = price_at(model=record.model, at=record.started_at)
+    cost = price.cost(
+        prompt_tokens=record.prompt_tokens,
+        cached_tokens=record.cached_tokens,
+        completion_tokens=record.completion_tokens,
+    )
+    record.input_cost = cost.input
+    record.cached_input_cost = cost.cached_input
+    record.output_cost = cost.output
 
 
 def _roll_up(record: UsageRecord, *, sign: int) -> None:
@@ -183,6 +207,9 @@ def _roll_up(record: UsageRecord, *, sign: int) -> None:
         prompt_tokens=F("prompt_tokens") + sign * record.prompt_tokens,
         cached_tokens=F("cached_tokens") + sign * record.cached_tokens,
         completion_tokens=F("completion_tokens") + sign * record.completion_tokens,
+        input_cost=F("input_cost") + sign * record.input_cost,
+        cached_input_cost=F("cached_input_cost") + sign * record.cached_input_cost,
+        output_cost=F("output_cost") + sign * record.output_cost,
         **{counter: F(counter) + sign},
     )
     tokens = record.prompt_tokens + record.completion_tokens
@@ -218,6 +245,7 @@ def usage_close_stale(*, older_than: datetime.timedelta = USAGE_STALE_AFTER) -> 
             record.error_code = ERROR_SERVER_RESTARTED
             record.duration_ms = int((now - record.started_at).total_seconds() * 1000)
             record.finished_at = now
+            _price(record, None)  # the tokens it last wrote, at its start's price
             record.save()
             _roll_up(record, sign=1)
             closed += 1
@@ -245,6 +273,7 @@ _TOTALS = {
     "prompt_tokens": Sum("prompt_tokens"),
     "cached_tokens": Sum("cached_tokens"),
     "completion_tokens": Sum("completion_tokens"),
+    "cost": Sum(F("input_cost") + F("cached_input_cost") + F("output_cost")),
 }
 
 

@@ -34,10 +34,12 @@ from accounts.limits import key_use
 from accounts.models import ApiKey, Team
 from accounts.selectors import team_summaries_owned_by, teams_for_new_keys, teams_owned_by
 from accounts.services import MemberKeyRefused, member_key_create, member_key_revoke
+from common.money import currency, from_nanos
 from inference.models import ModelEntry
 from inference.services import reports
 from inference.services.catalog import model_catalog
 from inference.services.registry import models_for_key, models_for_user
+from inference.services.spend import member_budget_uses
 
 REPORT_GROUPS = ["day", "model", "key", "member", "tier"]
 REPORT_SUMS = ["requests", "prompt_tokens", "cached_tokens", "completion_tokens"]
@@ -133,6 +135,7 @@ def keys(request: HttpRequest) -> HttpResponse:
     used = {key.pk: key_use(key).phrases() for key in own if key.is_active}
     context = {
         "keys": [(key, used.get(key.pk, [])) for key in own],
+        "budgets": [(label, use.phrase()) for label, use in member_budget_uses(request.user)],
         "form": form,
         "created_key": created_key,
         "creation_token": uuid.uuid4().hex,
@@ -290,12 +293,15 @@ def _csv(team: Team, since, until, result: reports.Report) -> HttpResponse:
     response["Content-Disposition"] = f'attachment; filename="{name}"'
     writer = csv.writer(response)
     columns = [*REPORT_GROUPS, *REPORT_SUMS, "total_tokens"]
-    writer.writerow(columns)
+    # The cost exactly (a decimal of the currency, to the nano-unit), and its currency.
+    writer.writerow([*columns, "cost", "currency"])
+    money = [currency()]
     for row in result.rows:
-        writer.writerow([row[c] for c in columns])
+        writer.writerow([*[row[c] for c in columns], from_nanos(row["cost"]), *money])
     totals = result.totals
     blanks = [""] * (len(REPORT_GROUPS) - 1)
-    writer.writerow(["total", *blanks, *[totals[c] for c in columns[len(REPORT_GROUPS) :]]])
+    sums = [totals[c] for c in columns[len(REPORT_GROUPS) :]]
+    writer.writerow(["total", *blanks, *sums, from_nanos(totals["cost"]), *money])
     return response
 
 

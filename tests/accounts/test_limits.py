@@ -238,7 +238,7 @@ async def test_redis_counters_expire(redis_namespace):
         await limiter.admit(api_key, reserved_tokens=5)
         client = redis.Redis.from_url(TEST_REDIS_URL)
         names = list(client.scan_iter(match=f"{redis_namespace}*"))
-        assert len(names) == 5
+        assert len(names) == 4  # rpm, tpm, its tokens, the parallel leases
         assert all(0 < client.pttl(name) for name in names)
         client.close()
     finally:
@@ -276,10 +276,10 @@ async def test_in_process_state_of_idle_keys_is_evicted(sync_thread_db):
     for api_key in keys:
         await (await limiter.admit(api_key, reserved_tokens=10)).release(used_tokens=5)
     await limiter.admit(busy, reserved_tokens=1)
-    assert (len(limiter._keys), len(limiter._used)) == (51, 50)
+    assert (len(limiter._keys), len(limiter._budgets)) == (51, 50)
     await asyncio.sleep(2.2)
     await limiter.current_headers(make_limited_key(rpm=1))
-    assert list(limiter._keys) == [busy.prefix] and not limiter._used
+    assert list(limiter._keys) == [busy.prefix] and not limiter._budgets
     with pytest.raises(RateLimitExceeded):
         await limiter.admit(busy, reserved_tokens=1)
 

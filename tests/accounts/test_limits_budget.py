@@ -55,7 +55,14 @@ async def test_budget_is_seeded_from_the_month_and_never_exceeded(make_limiter, 
     refusal = next(r for r in results if isinstance(r, RateLimitExceeded))
     assert refusal.code == CODE_QUOTA
     assert refusal.headers["x-should-retry"] == "false"
-    assert refusal.message == ERROR_BUDGET.format(limit=1000, used=1000, requested=100)
+    assert refusal.message == ERROR_BUDGET.format(
+        budget="key's monthly token budget",
+        name=f"key {api_key.prefix}",
+        limit=1000,
+        used=1000,
+        requested=100,
+    )
+    assert refusal.budget.scope == "key" and refusal.budget.unit == "tokens"
     for admission in admitted:
         await admission.release(used_tokens=50)
     # 400 + 6 * 50 used: 300 left
@@ -117,10 +124,9 @@ async def test_a_retried_release_counts_its_tokens_once(redis_namespace, sync_th
     limiter = RedisLimiter(url=TEST_REDIS_URL, namespace=redis_namespace)
     try:
         admission = await limiter.admit(api_key, reserved_tokens=100)
-        key_limits = limits.base.Limits.of(api_key)
-        month = month_start(timezone.now().date())
+        key_limits = await limits.base.limits_with_budgets(api_key)
         for _ in range(3):  # a release whose answer was lost, retried
-            await limiter._release(key_limits, admission.id, 400, month)
+            await limiter._release(key_limits, admission.id, 400, 0)
         held = await limiter.admit(api_key, reserved_tokens=600)
         with pytest.raises(RateLimitExceeded):
             await limiter.admit(api_key, reserved_tokens=1)

@@ -29,7 +29,7 @@ def test_the_team_reports_list_is_a_table_of_each_teams_month(world):  # noqa: F
     used(world["keys"]["colleague"], "m1", 5)
     used(world["keys"]["stranger"], "m1", 999)
     page = signed_in(world["owner"]).get(reverse("web-teams")).content.decode()
-    assert cells(page, "team-list") == [["alpha", "3", "2", "2", "15"]]
+    assert cells(page, "team-list") == [["alpha", "3", "2", "2", "15", "0.00 USD"]]  # unpriced
     assert f'href="{reverse("web-team-report", args=[world["team"].pk])}"' in page
 
 

@@ -189,7 +189,8 @@ def test_team_reports_for_owners_only_and_csv_equals_the_page(world):
     page = owner.get(url).content.decode()
     assert "2 requests · 40 prompt tokens" in page and "999" not in page
     tiers = page.split('id="report-tiers"')[1].split("</ul>")[0]
-    assert "<li>priority: 30 tokens</li>" in tiers and "<li>default: 10 tokens</li>" in tiers
+    assert "<li>priority: 30 tokens, 0.00 USD</li>" in tiers  # no price: no cost
+    assert "<li>default: 10 tokens, 0.00 USD</li>" in tiers
     assert "<svg" in page and "<rect" in page
     filtered = owner.get(url, {"member": "carl"}).content.decode()
     assert "1 requests · 30 prompt tokens" in filtered
