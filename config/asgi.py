@@ -5,7 +5,8 @@ the generation), with each request's sync thread taken from a pool
 (common/request_threads.py): a key whose rpm refusal is held is answered before Django
 (inference/refused_keys.py), the /v1 routes a key authenticates go to a handler with the API's own
 middleware only, everything else to one with the pages' middleware. Websockets (the live engine
-status) go to Channels with the session's user."""
+status) go to Channels with the session's user. At start the process begins loading the enabled
+models and starts its pull runner (inference/services/pulls/runner.py)."""
 
 import os
 
@@ -81,3 +82,8 @@ if settings.ORCHARD_PRELOAD_MODELS:
     from inference.services.engines import preload_models
 
     preload_models()
+
+if settings.ORCHARD_PULL_RUNNER:
+    from inference.services.pulls import start_pull_runner
+
+    start_pull_runner()
