@@ -16,6 +16,11 @@ Memory: every byte is counted; the cache never holds more than its budget, evict
 recently used leaves that no running request holds (`lock`). Entries are copies, so a request
 seeded from the cache shares nothing with it and eviction can never change a running request.
 
+Disk: with a disk tier (engine/cache/disk/), what is evicted is spilled to files rather than
+lost, a lookup that memory cannot serve in full reads the rest back from them, and `close`
+spills what memory holds, so the next engine over the same folder (a restart, a reload) starts
+with it. `clear` empties both tiers.
+
 Pure bookkeeping over arrays handed in: it never runs a model, so it is tested without one.
 Only the engine thread of one model uses an instance.
 """
@@ -24,13 +29,20 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
 
 # isort: split
 import mlx.core as mx
+
+logger = logging.getLogger(__name__)
+# How long `close` may spill what memory holds (the process may be shutting down).
+CLOSE_SECONDS = 5.0
 
 # Per layer, for a span of tokens: (keys, values) with tokens on axis 2 for an attention layer,
 # None for a recurrent one.
@@ -111,8 +123,22 @@ def _gather(path: list[tuple[_Node, int]]) -> LayerKV:
     return layers
 
 
+class DiskTierAPI(Protocol):
+    """What the cache asks of its disk tier (engine/cache/disk/tier.py implements it)."""
+
+    def spill(self, scope, tokens, spans, state, *, start, deadline=None) -> None: ...
+    def extend(self, hit: PrefixHit, tokens, limit: int, scope: str) -> PrefixHit: ...
+    def clear(self) -> int: ...
+    def close(self, deadline: float | None = None) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+
+
 @dataclass(frozen=True)
 class PrefixCacheStats:
+    """Both tiers: `hits` and `hit_tokens` count every hit (memory's, and those the disk tier
+    extended: `disk_hits`, which added `disk_hit_tokens`); `disk_lookups` counts the lookups
+    memory could not serve in full. All disk fields are 0 without a disk tier."""
+
     lookups: int = 0
     hits: int = 0
     hit_tokens: int = 0  # prompt tokens not recomputed thanks to the cache
@@ -122,6 +148,19 @@ class PrefixCacheStats:
     nodes: int = 0
     bytes: int = 0
     max_bytes: int = 0
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_max_bytes: int = 0
+    disk_lookups: int = 0
+    disk_hits: int = 0
+    disk_hit_tokens: int = 0
+    disk_spills: int = 0  # files written
+    disk_spill_bytes: int = 0
+    disk_spills_dropped: int = 0  # entries not written: the writer's queue was full, or it stopped
+    disk_evictions: int = 0
+    disk_read_errors: int = 0  # files refused (corrupt, truncated, foreign) and deleted
+    disk_write_errors: int = 0
+    disk_spilling: int = 0  # 1 while spilling goes on (a write error stops it)
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -133,9 +172,10 @@ class PrefixCache:
     `hybrid`: the model has recurrent layers, so only node ends with a state snapshot can be
     resumed from."""
 
-    def __init__(self, *, max_bytes: int, hybrid: bool = False):
+    def __init__(self, *, max_bytes: int, hybrid: bool = False, disk: DiskTierAPI | None = None):
         self.max_bytes = max_bytes
         self.hybrid = hybrid
+        self.disk = disk
         self._roots: dict[str, _Node] = {}  # by scope; a scope's root goes with its last entry
         self._clock = itertools.count(1)
         # Eviction candidates, least recently used first: (last_used, tie, node) pushed when a
@@ -153,16 +193,26 @@ class PrefixCache:
         return self._bytes
 
     def stats(self) -> PrefixCacheStats:
+        disk = self.disk.stats() if self.disk is not None else {}
         return PrefixCacheStats(
-            **self._counts, nodes=self._nodes, bytes=self._bytes, max_bytes=self.max_bytes
+            **self._counts, nodes=self._nodes, bytes=self._bytes, max_bytes=self.max_bytes, **disk
         )
 
     def match(self, tokens: Sequence[int], *, limit: int, scope: str = "") -> PrefixHit:
         """The longest prefix of `tokens` cached in `scope` usable to resume from, at most
         `limit` tokens (a prompt resumes at most one token before its end: that token gives the
-        first output)."""
+        first output): from memory, extended from disk where the disk tier holds more."""
         self._counts["lookups"] += 1
         limit = min(limit, len(tokens))
+        hit = self._match(tokens, limit, scope)
+        if self.disk is not None and hit.length < limit:
+            hit = self.disk.extend(hit, tokens, limit, scope)
+        if hit.length:
+            self._counts["hits"] += 1
+            self._counts["hit_tokens"] += hit.length
+        return hit
+
+    def _match(self, tokens: Sequence[int], limit: int, scope: str) -> PrefixHit:
         node = self._roots.get(scope)
         if node is None:
             return MISS
@@ -172,7 +222,7 @@ class PrefixCache:
             child = node.children.get(tokens[position])
             if child is None:
                 break
-            common = _common(child.tokens, tokens, position, limit)
+            common = common_length(child.tokens, tokens, position, limit)
             if common < len(child.tokens):
                 if not self.hybrid:
                     path.append((child, common))
@@ -190,8 +240,6 @@ class PrefixCache:
         now = next(self._clock)
         for entry, _ in path:
             self._touch(entry, now)
-        self._counts["hits"] += 1
-        self._counts["hit_tokens"] += length
         end = path[-1][0]
         return PrefixHit(length, _gather(path), end.state if self.hybrid else None, end)
 
@@ -231,7 +279,7 @@ class PrefixCache:
             child = node.children.get(tokens[position])
             if child is None:
                 break
-            common = _common(child.tokens, tokens, position, len(tokens))
+            common = common_length(child.tokens, tokens, position, len(tokens))
             if common < len(child.tokens):
                 if position + common < len(tokens) or state is not None:
                     child = self._split(child, common)
@@ -264,8 +312,37 @@ class PrefixCache:
         return before - self._bytes
 
     def clear(self) -> int:
-        """Drop every entry no request holds; returns the bytes freed."""
-        return self.evict(self._bytes)
+        """Drop every entry no request holds, and the disk tier's entries; returns the bytes
+        freed (memory's and disk's)."""
+        disk, self.disk = self.disk, None  # nothing cleared is spilled
+        try:
+            freed = self.evict(self._bytes)
+        finally:
+            self.disk = disk
+        return freed + (disk.clear() if disk is not None else 0)
+
+    def close(self, seconds: float = CLOSE_SECONDS) -> None:
+        """The engine ends: spill what memory holds to the disk tier (the most recently used
+        first, for at most `seconds`) and stop its writer."""
+        if self.disk is None:
+            return
+        deadline = time.monotonic() + seconds
+        try:
+            for node in sorted(self._walk(), key=lambda n: (-n.last_used, n.depth)):
+                if time.monotonic() >= deadline:
+                    break
+                self._spill(node, deadline)
+        except Exception:
+            logger.exception("prefix cache: spilling at close failed")
+        self.disk.close(deadline)
+
+    def _spill(self, node: _Node, deadline: float | None = None) -> None:
+        path = list(_ancestors(node))[::-1]
+        tokens = tuple(itertools.chain.from_iterable(n.tokens for n in path))
+        spans = [(n.depth - len(n.tokens), n.depth, n.kv) for n in path]
+        start = node.depth - len(node.tokens)
+        state = node.state if self.hybrid else None
+        self.disk.spill(path[0].parent.scope, tokens, spans, state, start=start, deadline=deadline)
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Cut `node`'s edge after `at` tokens; return the new upper half."""
@@ -321,6 +398,11 @@ class PrefixCache:
             yield node
 
     def _remove(self, node: _Node) -> None:
+        if self.disk is not None:
+            try:
+                self._spill(node)
+            except Exception:  # the entry is lost to the disk tier, not to memory's accounting
+                logger.exception("prefix cache: could not spill an evicted entry")
         freed = node.nbytes
         node.removed = True
         node.kv, node.state = [], None  # stale heap entries may still point at the node
@@ -347,7 +429,7 @@ class PrefixCache:
         self._nodes += nodes
 
 
-def _common(edge: tuple[int, ...], tokens: Sequence[int], start: int, end: int) -> int:
+def common_length(edge: tuple[int, ...], tokens: Sequence[int], start: int, end: int) -> int:
     """How many of `edge`'s tokens equal tokens[start:end] from the start."""
     limit = min(len(edge), end - start)
     count = 0

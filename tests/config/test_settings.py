@@ -87,3 +87,16 @@ def test_the_body_caps_are_positive_and_django_never_refuses_below_them(monkeypa
         with pytest.raises(ImproperlyConfigured, match="must be at least 1"):
             settings_module(monkeypatch, tmp_path, **{name: "0"})
         monkeypatch.delenv(name)
+
+
+def test_the_prefix_cache_disk_tier_is_a_size_under_orchard_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("ORCHARD_PREFIX_DISK_BYTES", raising=False)  # the suite turns it off
+    found = settings_module(monkeypatch, tmp_path)
+    assert found["ORCHARD_PREFIX_DISK_BYTES"] == 4 << 30
+    assert found["ORCHARD_PREFIX_DISK_DIR"] == tmp_path / "prefix-cache"
+    for value, size in (("512M", 512 << 20), ("2GiB", 2 << 30), ("1000000", 10**6), ("0", 0)):
+        found = settings_module(monkeypatch, tmp_path, ORCHARD_PREFIX_DISK_BYTES=value)
+        assert found["ORCHARD_PREFIX_DISK_BYTES"] == size
+    for value in ("0.5", "lots", "-1GiB"):
+        with pytest.raises(ImproperlyConfigured, match="ORCHARD_PREFIX_DISK_BYTES must be a size"):
+            settings_module(monkeypatch, tmp_path, ORCHARD_PREFIX_DISK_BYTES=value)

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import pytest
 
+from engine.cache.disk import PrefixDiskConfig
 from engine.core.batched import BatchedEngine
 from engine.core.loop import EngineLoop
 from engine.core.simple import SimpleEngine
@@ -59,11 +60,18 @@ def make_request(
 
 
 def manual_engine(
-    loaded: LoadedModel, engine_class: type[EngineLoop] = BatchedEngine, **spec_kwargs
+    loaded: LoadedModel,
+    engine_class: type[EngineLoop] = BatchedEngine,
+    *,
+    prefix_disk: PrefixDiskConfig | None = None,
+    **spec_kwargs,
 ) -> EngineLoop:
     """An engine driven step by step on the test's thread (no engine thread): deterministic
-    control of which step each request joins at."""
-    engine = engine_class(ModelSpec(name="tiny", path="unused", **spec_kwargs), lambda: loaded)
+    control of which step each request joins at. With `prefix_disk` (and the model's folder as
+    `path`), its prefix cache has a disk tier."""
+    spec = ModelSpec(**{"name": "tiny", "path": "unused", **spec_kwargs})
+    engine = engine_class(spec, lambda: loaded)
+    engine.prefix_disk = prefix_disk
     engine.loaded = loaded
     engine.ready.set_result(engine.serving_info(loaded.info))
     engine.setup()
