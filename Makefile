@@ -14,7 +14,9 @@ PYTEST_WORKERS ?= auto
 TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/orchard
 GATEWAY_TESTS := tests/accounts tests/inference/services/test_usage.py \
   tests/inference/services/test_registry.py tests/inference/api/test_limits.py \
-  tests/inference/api/test_limits_redis.py
+  tests/inference/api/test_limits_redis.py tests/inference/services/test_costs.py \
+  tests/inference/api/test_budgets.py tests/inference/api/test_budgets_redis.py \
+  tests/inference/api/test_costs_api.py
 
 PY := $(VENV)/bin/python
 # Python writes its compiled modules (__pycache__) even where the environment says not to
@@ -43,7 +45,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-blas bench-sgemm bench-attention clean
+.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-prefix-disk bench-models bench-reports bench-blas bench-sgemm bench-attention clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -117,8 +119,19 @@ bench-speculative: setup
 bench-isolation: setup
 	$(PY) bench/isolation.py
 
+bench-models: setup
+	$(PY) bench/models.py
+
 bench-fairness: setup
 	$(PY) bench/fairness.py
+
+# The prefix cache's disk tier: a shared prefix's first token after a restart against cold.
+bench-prefix-disk: setup
+	$(PY) bench/prefix_disk.py
+
+# The report pages and the usage and costs APIs at a million usage rows (a throwaway database).
+bench-reports: setup
+	$(PY) bench/reports.py
 
 clean:
 	rm -rf $(VENV)

@@ -59,6 +59,19 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return default if value is None else [item.strip() for item in value.split(",") if item.strip()]
 
 
+def env_percent(name: str, value: str) -> int:
+    """One percentage (1 to 100) of the list `name` holds."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if not 1 <= number <= 100:
+        raise ImproperlyConfigured(
+            f"{name} must be percentages from 1 to 100 (e.g. 50,80,100), not {value!r}."
+        )
+    return number
+
+
 def ip_networks(name: str, values: list[str]) -> list[str]:
     """`values` (read from `name`) as IP networks in their normal form: "10.0.0.0/8", an address
     a network of one ("127.0.0.1/32"). Anything else raises ImproperlyConfigured."""
@@ -73,3 +86,51 @@ def ip_networks(name: str, values: list[str]) -> list[str]:
 def orchard_home() -> Path:
     home = Path(env_str("ORCHARD_HOME", str(BASE_DIR / "var")))
     return home if home.is_absolute() else (BASE_DIR / home)
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def env_share_or_bytes(name: str, default: float) -> tuple[float | None, int | None]:
+    """A share of something (a number in (0, 1]) or a size in bytes ("48GiB", "512M",
+    "50000000000"): (share, None) or (None, bytes)."""
+    value = env_str(name)
+    if value is None:
+        return default, None
+    text = value.strip().lower().replace(" ", "")
+    for suffix in ("ib", "b"):
+        if text.endswith(suffix):
+            text = text[: -len(suffix)]
+            break
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS and text[-1:] else ""
+    try:
+        number = float(text[: len(text) - len(unit)])
+    except ValueError:
+        number = math.nan
+    if math.isfinite(number) and number > 0:
+        if not unit and number <= 1:
+            return number, None
+        if unit or number.is_integer():
+            return None, int(number * _SIZE_UNITS[unit])
+    raise ImproperlyConfigured(
+        f"{name} must be a share of the device's memory (0.7) or a size (48GiB, 512M, or bytes), "
+        f"not {value!r}."
+    )
+
+
+def env_bytes(name: str, default: int) -> int:
+    """A size in bytes ("4GiB", "512M", "1000000"), or 0."""
+    value = env_str(name)
+    if value is None:
+        return default
+    if value.strip() == "0":
+        return 0
+    try:
+        _, size = env_share_or_bytes(name, 0.0)
+    except ImproperlyConfigured:
+        size = None
+    if size is None:
+        raise ImproperlyConfigured(
+            f"{name} must be a size (4GiB, 512M, or bytes) or 0, not {value!r}."
+        )
+    return size

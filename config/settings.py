@@ -13,9 +13,12 @@ from django.core.exceptions import ImproperlyConfigured
 from config.env import (
     BASE_DIR,
     env_bool,
+    env_bytes,
     env_float,
     env_int,
     env_list,
+    env_percent,
+    env_share_or_bytes,
     env_str,
     ip_networks,
     orchard_home,
@@ -203,6 +206,33 @@ ORCHARD_MODEL_LOAD_WAIT_SECONDS = env_float("ORCHARD_MODEL_LOAD_WAIT_SECONDS", 6
 # Load the enabled models when the web process starts, so the first request does not wait for
 # them; models registered later load on their first request.
 ORCHARD_PRELOAD_MODELS = env_bool("ORCHARD_PRELOAD_MODELS", True)
+# One memory budget for every model a process serves (weights, KV caches and prefix caches): a
+# share of the device's memory (Metal's recommended working set, or RAM on CPU) or a size. A
+# model loads only where it fits, after unloading idle models that are not pinned (least
+# recently used first); otherwise its requests get a 503 with Retry-After. Each chat model's
+# caches get at most ORCHARD_MODEL_CACHE_SHARE of the budget (its "memory budget" field
+# overrides), and a model not pinned unloads after ORCHARD_MODEL_IDLE_SECONDS without
+# requests (its own setting overrides; 0: never).
+ORCHARD_MEMORY_BUDGET_SHARE, ORCHARD_MEMORY_BUDGET_BYTES = env_share_or_bytes(
+    "ORCHARD_MEMORY_BUDGET", 0.7
+)
+ORCHARD_MODEL_CACHE_SHARE = env_float("ORCHARD_MODEL_CACHE_SHARE", 0.5, positive=True)
+if ORCHARD_MODEL_CACHE_SHARE > 1:
+    raise ImproperlyConfigured("ORCHARD_MODEL_CACHE_SHARE must be at most 1.")
+ORCHARD_MODEL_IDLE_SECONDS = env_float("ORCHARD_MODEL_IDLE_SECONDS", 1800.0)
+if ORCHARD_MODEL_IDLE_SECONDS < 0:
+    raise ImproperlyConfigured("ORCHARD_MODEL_IDLE_SECONDS must be 0 (never) or more.")
+# The prefix cache's disk tier (engine/cache/disk/): what a chat model's prefix cache evicts from
+# memory, and what it holds when the model unloads or the process stops, is kept in checked
+# files under ORCHARD_PREFIX_DISK_DIR, at most ORCHARD_PREFIX_DISK_BYTES per model, and read
+# back on a hit, also after a restart. 0: off.
+ORCHARD_PREFIX_DISK_BYTES = env_bytes("ORCHARD_PREFIX_DISK_BYTES", 4 << 30)
+ORCHARD_PREFIX_DISK_DIR = ORCHARD_HOME / "prefix-cache"
+# Pulls from the Hugging Face hub (`manage.py pull`, the admin's "Pull a model"): the hub or a
+# mirror (huggingface_hub reads HF_TOKEN and HF_HOME itself). Each web process runs the pulls
+# made in the admin on a thread of its own, and resumes those a stopped process left.
+HF_ENDPOINT = (env_str("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+ORCHARD_PULL_RUNNER = env_bool("ORCHARD_PULL_RUNNER", True)
 # A chat template (or tokenizer) still rendering one prompt after this is stopped with a 400.
 ORCHARD_RENDER_TIMEOUT_SECONDS = env_float("ORCHARD_RENDER_TIMEOUT_SECONDS", 10.0, positive=True)
 # A request's preparation before admission (reading its body, checking its grammar, rendering,
@@ -246,6 +276,47 @@ ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM = env_int(
 )
 if ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM < 0:
     raise ImproperlyConfigured("ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM must be 0 or more.")
+
+# Spend (accounts/limits/budgets.py, accounts/alerts/, inference/services/prices.py): the one
+# currency prices, costs and money budgets are in (ISO 4217), and the budget alerts.
+ORCHARD_CURRENCY = (env_str("ORCHARD_CURRENCY", "USD") or "").upper()
+if not (len(ORCHARD_CURRENCY) == 3 and ORCHARD_CURRENCY.isalpha() and ORCHARD_CURRENCY.isascii()):
+    raise ImproperlyConfigured("ORCHARD_CURRENCY must be an ISO 4217 code such as USD or EUR.")
+# A budget without thresholds of its own (and a key's monthly token budget) alerts at these
+# percentages, once each per period.
+ORCHARD_BUDGET_ALERT_THRESHOLDS = sorted(
+    {
+        env_percent("ORCHARD_BUDGET_ALERT_THRESHOLDS", value)
+        for value in env_list("ORCHARD_BUDGET_ALERT_THRESHOLDS", ["50", "80", "100"])
+    }
+)
+# Who gets a budget alert by email: "owners" (the team's owners), "member" (a key budget's key
+# holder, a member budget's member), and any addresses, comma-separated.
+ORCHARD_BUDGET_ALERT_EMAILS = env_list("ORCHARD_BUDGET_ALERT_EMAILS", ["owners", "member"])
+if any(e not in ("owners", "member") and "@" not in e for e in ORCHARD_BUDGET_ALERT_EMAILS):
+    raise ImproperlyConfigured(
+        'ORCHARD_BUDGET_ALERT_EMAILS takes "owners", "member" and email addresses, comma-separated.'
+    )
+# Alert webhooks: an attempt waits this long for an answer; a failed one is retried after
+# ORCHARD_WEBHOOK_RETRY_SECONDS, doubling each time, until ORCHARD_WEBHOOK_MAX_ATTEMPTS.
+ORCHARD_WEBHOOK_TIMEOUT_SECONDS = env_float("ORCHARD_WEBHOOK_TIMEOUT_SECONDS", 10.0, positive=True)
+ORCHARD_WEBHOOK_RETRY_SECONDS = env_float("ORCHARD_WEBHOOK_RETRY_SECONDS", 30.0, positive=True)
+ORCHARD_WEBHOOK_MAX_ATTEMPTS = env_int("ORCHARD_WEBHOOK_MAX_ATTEMPTS", 6)
+if ORCHARD_WEBHOOK_MAX_ATTEMPTS < 1:
+    raise ImproperlyConfigured("ORCHARD_WEBHOOK_MAX_ATTEMPTS must be at least 1.")
+# Email (budget alerts): SMTP when DJANGO_EMAIL_HOST is set, else written to the server's log.
+DJANGO_EMAIL_HOST = env_str("DJANGO_EMAIL_HOST")
+if DJANGO_EMAIL_HOST:
+    EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    EMAIL_HOST = DJANGO_EMAIL_HOST
+    EMAIL_PORT = env_int("DJANGO_EMAIL_PORT", 587)
+    EMAIL_HOST_USER = env_str("DJANGO_EMAIL_HOST_USER", "")
+    EMAIL_HOST_PASSWORD = env_str("DJANGO_EMAIL_HOST_PASSWORD", "")
+    EMAIL_USE_TLS = env_bool("DJANGO_EMAIL_USE_TLS", True)
+else:
+    EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
+EMAIL_TIMEOUT = 10
+DEFAULT_FROM_EMAIL = env_str("DJANGO_DEFAULT_FROM_EMAIL", "orchard@localhost")
 
 LOGGING = {
     "version": 1,

@@ -5,8 +5,9 @@ The rooms behind it (docs/architecture.md walks through them):
 - client.py: `EngineClient`, the interface the web side calls; local.py runs it in this process,
   worker.py owns the loaded models (also what a `runengine` process serves);
 - core/: request state, the scheduler, the loop, the engines and the runners (the model calls);
-- cache/: mlx-lm's cache objects, the prefix cache, the memory budget;
-- models/: loading, model folders' facts, GGUF conversion, embedding models;
+- cache/: mlx-lm's cache objects, the prefix cache and its disk tier, the memory budget;
+- models/: loading, model folders' facts, GGUF conversion, embedding models, pulls from the
+  Hugging Face hub (hub.py, pull.py) and checkpoint conversion (convert.py);
 - text/: chat templates, rendering, detokenizing, harmony, grammars;
 - kernels/: fast CPU kernels, the BLAS and Orchard's native code.
 
@@ -38,6 +39,7 @@ from engine.protocol import (  # noqa: E402
     GenerationOutput,
     GenerationRequest,
     InvalidRequestError,
+    ModelCapacityError,
     ModelInfo,
     ModelLoadError,
     ModelNotLoadedError,
@@ -60,9 +62,21 @@ _LAZY = {
     "LocalEngineClient": "engine.local",
     "EmbeddingJob": "engine.core.embedding",
     "EngineWorker": "engine.worker",
+    "host_memory": "engine.cache.memory",
+    "PrefixDiskConfig": "engine.cache.disk",
     "DEFAULT_EMBEDDING_MODEL": "engine.models.embeddings",
     "default_embedding_folder": "engine.models.embeddings",
     "convert_gguf": "engine.models.gguf",
+    "GROUP_SIZES": "engine.models.convert",
+    "QUANTIZE_BITS": "engine.models.convert",
+    "PullAbandoned": "engine.models.pull",
+    "PulledModel": "engine.models.pull",
+    "PullError": "engine.models.hub",
+    "PullRequest": "engine.models.pull",
+    "PullStopped": "engine.models.hub",
+    "format_bytes": "engine.models.pull",
+    "parse_source": "engine.models.hub",
+    "pull_model": "engine.models.pull",
     "default_gguf_path": "engine.models.gguf",
     "load_tokenizer": "engine.models.loader",
     "folder_context_length": "engine.models.config",
@@ -89,6 +103,7 @@ __all__ = [
     "ModelNotLoadedError",
     "ModelSpec",
     "ModelStatus",
+    "ModelCapacityError",
     "ModelUnavailableError",
     "PromptInput",
     "RenderedPrompt",

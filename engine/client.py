@@ -67,8 +67,15 @@ class EngineClient(abc.ABC):
         finished, and (with `load_new`) a listed name nothing serves starts loading."""
 
     @abc.abstractmethod
-    async def unload_model(self, name: str) -> None:
-        """Stop serving a model; its in-flight requests end with finish_reason "abort"."""
+    def memory_budgets(self) -> dict[str, dict[str, int | None]]:
+        """Per engine worker ("local" for the in-process one): its memory budget's max_bytes
+        (None: none) and the used_bytes its models hold."""
+
+    @abc.abstractmethod
+    async def unload_model(self, name: str, *, drain: bool = False) -> None:
+        """Stop serving a model (it loads again on its next request): its in-flight requests
+        end with finish_reason "abort", or with `drain` finish first while it takes no new
+        ones (remote workers always drain)."""
 
     @abc.abstractmethod
     async def render_prompt(

@@ -94,6 +94,9 @@ class LocalEngineClient(EngineClient):
     def model_status(self, name: str) -> ModelStatus:
         return self.worker.status(name)
 
+    def memory_budgets(self) -> dict[str, dict[str, int | None]]:
+        return {"local": self.worker.memory_stats()}
+
     def clear_prefix_cache(self, name: str, timeout: float = 30.0) -> int:
         try:
             engine = self.worker.get(name)
@@ -109,15 +112,27 @@ class LocalEngineClient(EngineClient):
         listed = {spec.name for spec in specs}
         served = set(self.worker.names())
         for spec in specs:
-            if load_new or spec.name in served:
-                future = self.worker.serve(spec)
-                future.add_done_callback(functools.partial(_report_load, spec.name))
+            if spec.name in served:
+                future = self.worker.serve(spec, request=False)  # follows a changed spec
+            elif load_new:
+                future = self.worker.preload(spec)  # only into free room
+                if future is None:
+                    logger.info("%s loads on its first request (no room now)", spec.name)
+                    continue
+                logger.info("loading model %s from %s", spec.name, spec.path)
+            else:
+                self.worker.remember(spec)
+                continue
+            future.add_done_callback(functools.partial(_report_load, spec.name))
         for name in served - listed:
             logger.info("no longer serving %s (registry)", name)
             self.worker.retire(name)
 
-    async def unload_model(self, name: str) -> None:
-        await asyncio.to_thread(self.worker.unload, name)
+    async def unload_model(self, name: str, *, drain: bool = False) -> None:
+        if drain:
+            self.worker.retire(name)  # returns at once
+        else:
+            await asyncio.to_thread(self.worker.unload, name)
 
     async def render_prompt(
         self, model: str, prompt: PromptInput, *, timeout_s: float | None = None

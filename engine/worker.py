@@ -5,7 +5,9 @@ serves one to the web processes. A model is loaded on its own engine thread, so 
 the only one that ever touches the model's MLX arrays. A chat model (`ModelSpec.kind` "chat") is
 served by an EngineLoop, an embedding model by an EmbeddingEngine (engine/core/embedding.py):
 both follow one lifecycle (start, ready, drain, stop, ended), so loading, replacing, retiring,
-restarting and `status` are the same for both.
+restarting and `status` are the same for both. All of them share one memory budget
+(engine/cache/host.py): the residency policy (engine/residency.py) decides which idle models make
+room for a load, and which unload after their idle time.
 """
 
 from __future__ import annotations
@@ -17,23 +19,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.cache.disk import PrefixDiskConfig
+from engine.cache.host import HostMemory
 from engine.core.batched import BatchedEngine
 from engine.core.embedding import EmbeddingEngine, EmbeddingJob
 from engine.core.loop import EngineLoop, describe
 from engine.core.request import Emit
 from engine.core.simple import SimpleEngine
+from engine.futures import mirror, resolved, start_after
 from engine.models.embeddings import EmbeddingModel
 from engine.models.loader import LoadedModel, load_model
 from engine.protocol import (
     EmbeddingInfo,
     EngineStats,
     GenerationRequest,
+    ModelCapacityError,
     ModelInfo,
     ModelLoadError,
     ModelNotLoadedError,
     ModelSpec,
     ModelStatus,
 )
+from engine.residency import Residency, wait_for_room
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,7 @@ class _Failure:
     error: str
     at: float  # time.time()
     retry_at: float  # time.monotonic()
+    code: str = ModelLoadError.code
 
 
 class EngineWorker:
@@ -86,7 +94,15 @@ class EngineWorker:
         loader: Loader = load_spec,
         embedding_loader: EmbeddingLoader = load_embedding_spec,
         engines: dict[str, type[EngineLoop]] | None = None,
+        memory: HostMemory | None = None,
+        idle_unload_s: float = 0.0,
+        prefix_disk: PrefixDiskConfig | None = None,
     ):
+        # One memory budget for every model (none by default: each sizes its own caches), and
+        # the default idle time after which a model not pinned unloads (0: never).
+        self.memory = memory or HostMemory()
+        self.residency = Residency(self.memory, idle_unload_s)
+        self.prefix_disk = prefix_disk  # the chat models' prefix caches' disk tier (None: off)
         self._loader = loader
         self._embedding_loader = embedding_loader
         self._engine_classes = engines or ENGINES
@@ -103,15 +119,33 @@ class EngineWorker:
         or with the load's exception. Retries a failed spec at once; with `force`, loads a fresh
         engine even when `spec` already serves (its files changed on disk, say)."""
         with self._lock:
-            return _mirror(self._load_locked(spec, force=force))
+            self._remember(spec)
+            self.residency.hold(spec.name)  # for whoever asked: a request on its way
+            return self._room_wait(spec, mirror(self._load_locked(spec, force=force)))
 
-    def serve(self, spec: ModelSpec) -> concurrent.futures.Future[Info]:
+    def preload(self, spec: ModelSpec) -> concurrent.futures.Future[Info] | None:
+        """Start loading `spec` if it fits in the memory budget beside what is loaded, without
+        unloading anything (at start, and for a model an admin enables); None if it does not
+        fit now (it loads on its first request). A serving name follows `serve`."""
+        with self._lock:
+            self._remember(spec, used=False)
+            current = self._engines.get(spec.name)
+            if (current is not None and current.is_serving) or spec.name in self._loading:
+                return None
+            if not self.residency.fits_now(spec):
+                return None
+            return mirror(self._load_locked(spec, make_room=False))
+
+    def serve(self, spec: ModelSpec, *, request: bool = True) -> concurrent.futures.Future[Info]:
         """The info a request for `spec.name` is validated against, without waiting for a
         reload: while an engine of the spec's kind serves the name, at once (a different `spec`
         starts loading beside it); otherwise once `spec` has loaded. A spec whose load failed
         less than LOAD_RETRY_AFTER_S ago is not tried again: ModelLoadError, unless an older
         engine still serves."""
         with self._lock:
+            self._remember(spec, used=request)
+            if request:  # held until the request reaches the engine (`submit`, `embed`)
+                self.residency.hold(spec.name)
             current = self._engines.get(spec.name)
             failure = self._failures.get(spec.name)
             recent = (
@@ -123,29 +157,67 @@ class EngineWorker:
                     self._failures.pop(spec.name, None)
                 elif not recent:
                     self._load_locked(spec)
-                return _resolved(current.info)
+                return resolved(current.info)
             if recent:
                 future: concurrent.futures.Future[Info] = concurrent.futures.Future()
                 future.set_exception(ModelLoadError(failure.error))
                 return future
-            return _mirror(self._load_locked(spec))
+            loading = mirror(self._load_locked(spec))
+            return self._room_wait(spec, loading) if request else loading
 
     def _load_locked(
-        self, spec: ModelSpec, *, force: bool = False
+        self, spec: ModelSpec, *, force: bool = False, make_room: bool = True
     ) -> concurrent.futures.Future[Info]:
         current = self._engines.get(spec.name)
         if current is not None and current.spec == spec and current.is_serving and not force:
-            return _resolved(current.info)
+            return resolved(current.info)
         loading = self._loading.get(spec.name)
         if loading is not None and loading[0].spec == spec:
             return loading[1]
         engine = self._new_engine(spec)
+        freed: list[concurrent.futures.Future] = []  # the unloaded engines' ends
+        if make_room:
+            for victim in self.residency.victims(spec, self._engines):
+                logger.info("unloading %s (idle) to make room for %s", victim.spec.name, spec.name)
+                self._retire_locked(victim.spec.name)
+                freed.append(victim.ended)
+        replacing = current if current is not None and current.is_serving else None
+        reservation = self.memory.reserve(engine, spec, replacing=replacing)
+        if reservation is None:
+            # Kept for `status` (the admin, remote web processes) but retried by the next
+            # request: room may have freed by then.
+            error = ModelCapacityError(self.residency.no_room_message(spec))
+            now = time.monotonic()
+            self._failures[spec.name] = _Failure(spec, str(error), time.time(), now, error.code)
+            future: concurrent.futures.Future[Info] = concurrent.futures.Future()
+            future.set_exception(error)
+            return future
+        engine.cache_bytes = reservation.cache_bytes
+        engine.ended.add_done_callback(lambda _: self.memory.release(engine))
         # Resolved only after the swap, so whoever waits on it finds the new engine.
         swapped: concurrent.futures.Future[Info] = concurrent.futures.Future()
         self._loading[spec.name] = (engine, swapped)
         engine.ready.add_done_callback(lambda _: self._swap(engine, swapped))
-        engine.start()
+        if freed:
+            # The load starts once the unloaded engines have returned their memory (an idle
+            # engine's loop ends at once), so the two never add up beyond the budget.
+            threading.Thread(
+                target=start_after, args=(engine, freed), name="orchard-load", daemon=True
+            ).start()
+        else:
+            engine.start()
         return swapped
+
+    def _room_wait(
+        self, spec: ModelSpec, future: concurrent.futures.Future[Info]
+    ) -> concurrent.futures.Future[Info]:
+        """`future`, or where it failed for want of room, one that tries again for a while."""
+
+        def again() -> concurrent.futures.Future[Info]:
+            with self._lock:
+                return mirror(self._load_locked(spec))
+
+        return wait_for_room(future, again, closed=lambda: self._closed)
 
     def _new_engine(self, spec: ModelSpec) -> Engine:
         """An engine for `spec`, not started (nothing loads until `start`)."""
@@ -155,7 +227,9 @@ class EngineWorker:
             raise ValueError(
                 f"unknown engine {spec.engine!r}; choose from {sorted(self._engine_classes)}"
             )
-        return self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
+        engine = self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
+        engine.prefix_disk = self.prefix_disk
+        return engine
 
     def _swap(self, engine: Engine, swapped: concurrent.futures.Future[Info]) -> None:
         name, error = engine.spec.name, engine.ready.exception()
@@ -170,6 +244,8 @@ class EngineWorker:
             elif error is None:
                 old = self._engines.get(name)
                 self._engines[name] = engine
+                self.memory.measured(engine, getattr(engine, "weights_bytes", 0))
+                self.residency.loaded_at[name] = time.time()  # idle time counts from here
                 self._failures.pop(name, None)
                 engine.ended.add_done_callback(lambda ended: self._ended(engine, ended.result()))
             else:
@@ -220,18 +296,23 @@ class EngineWorker:
             state = "serving"
         elif loading is not None:
             state = "loading"
-        elif failure is not None:
+        elif failure is not None and failure.code != ModelCapacityError.code:
             state = "failed"
         else:
             state = "stopped" if current is not None else "not_loaded"
         return ModelStatus(
             name=name,
             state=state,
+            memory_bytes=self.memory.by_name().get(name, 0),
+            last_used=self.residency.last_used.get(name),
+            pinned=self.residency.pinned(name),
+            idle_unload_s=self.residency.idle_s(name),
             serving=current.spec if current is not None and current.is_serving else None,
             loading=loading[0].spec if loading is not None else None,
             error=failure.error if failure is not None else None,
             failed_at=failure.at if failure is not None else None,
             failed_spec=failure.spec if failure is not None else None,
+            failure_code=failure.code if failure is not None else None,
             stats=current.stats() if current is not None and current.is_serving else None,
             restarts=self._restarts.get(name, (0, 0.0))[0],
         )
@@ -253,14 +334,19 @@ class EngineWorker:
         flight, refusing new requests, then ends (returns at once). A load under way is
         dropped when it finishes."""
         with self._lock:
-            engine = self._engines.pop(name, None)
-            self._loading.pop(name, None)
-            self._failures.pop(name, None)
-            self._restarts.pop(name, None)
-            if engine is not None:
-                self._retired = [e for e in self._retired if e.is_alive()] + [engine]
+            self._retire_locked(name)
+
+    def _retire_locked(self, name: str) -> None:
+        engine = self._engines.pop(name, None)
+        self._loading.pop(name, None)
+        self._failures.pop(name, None)
+        self._restarts.pop(name, None)
         if engine is not None:
-            engine.drain()
+            self._retired = [e for e in self._retired if e.is_alive()] + [engine]
+            # Its memory is free once its requests end; an idle engine's at once.
+            if not engine.has_requests():
+                self.memory.release(engine)
+            engine.drain()  # returns at once
 
     def is_idle(self) -> bool:
         """No engine holds a request (queued, waiting or running)."""
@@ -299,6 +385,8 @@ class EngineWorker:
         return list(self._engines)
 
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
+        self.residency.touch(request.model)
+        self.residency.unhold(request.model)
         engine = self.get(request.model)
         try:
             engine.submit(request, emit)
@@ -314,6 +402,8 @@ class EngineWorker:
     def embed(self, model: str, token_ids: list[list[int]]) -> EmbeddingJob:
         """A job computing the (inputs, dimensions) float32 vectors of an embedding model for
         `token_ids` (cancel its future to stop it between forwards)."""
+        self.residency.touch(model)
+        self.residency.unhold(model)
         return self.embedder(model).submit(token_ids)
 
     def abort(self, model: str, request_id: str) -> None:
@@ -325,6 +415,38 @@ class EngineWorker:
 
     def stats(self) -> list[EngineStats]:
         return [engine.stats() for engine in list(self._engines.values())]
+
+    def memory_stats(self) -> dict[str, int | None]:
+        """The memory budget (None: none) and the bytes the models hold in it."""
+        return self.residency.stats()
+
+    def remember(self, spec: ModelSpec) -> None:
+        """Take `spec`'s residency settings (pinned, idle time) without loading it."""
+        with self._lock:
+            self._remember(spec, used=False)
+
+    def _remember(self, spec: ModelSpec, *, used: bool = True) -> None:
+        """Under the lock: `spec`'s residency settings (they change without a reload) and, for
+        a request's lookup, its use now."""
+        self.residency.remember(spec, used=used)
+        current = self._engines.get(spec.name)
+        if current is not None and current.spec == spec:
+            current.spec = spec  # the same model: only residency settings may differ
+        if not self._closed:
+            self.residency.check_idle(self.unload_idle, stopped=lambda: self._closed)
+
+    def unload_idle(self, now: float | None = None) -> list[str]:
+        """Retire every model not pinned that has had no request for its idle time (the
+        worker's default unless its spec sets one; 0: never); the names retired."""
+        now = time.time() if now is None else now
+        with self._lock:
+            names = [n for n in self.residency.idle(self._engines, now) if n not in self._loading]
+            for name in names:
+                logger.info(
+                    "unloading %s: no requests for %.0f s", name, self.residency.idle_s(name)
+                )
+                self._retire_locked(name)
+        return names
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Abort everything in flight and join every engine thread (`timeout` s each)."""
@@ -338,29 +460,3 @@ class EngineWorker:
             self._closed = True
         for engine in engines:
             engine.stop(timeout)
-
-
-def _mirror(future: concurrent.futures.Future[Info]) -> concurrent.futures.Future[Info]:
-    """A future of the caller's own that follows `future`: one waiter giving up (cancelling
-    its future, as asyncio does when a client leaves) never cancels the load for the others."""
-    mirror: concurrent.futures.Future[Info] = concurrent.futures.Future()
-
-    def follow(done: concurrent.futures.Future[Info]) -> None:
-        try:
-            if done.cancelled():
-                mirror.cancel()
-            elif done.exception() is not None:
-                mirror.set_exception(done.exception())
-            else:
-                mirror.set_result(done.result())
-        except concurrent.futures.InvalidStateError:
-            pass  # this waiter gave up already
-
-    future.add_done_callback(follow)
-    return mirror
-
-
-def _resolved(info: Info) -> concurrent.futures.Future[Info]:
-    future: concurrent.futures.Future[Info] = concurrent.futures.Future()
-    future.set_result(info)
-    return future

@@ -4,6 +4,7 @@ test database) and registered models for the API tests."""
 import engine  # noqa: F401  (OpenBLAS before anything imports mlx)
 
 # isort: split
+import os
 import socket
 import threading
 from pathlib import Path
@@ -33,6 +34,17 @@ ONCE = (
 )
 ROOT = Path(__file__).resolve().parent.parent
 
+# The test servers serve many tiny models at once (every test's registrations): each gets a
+# small share of the memory budget for its caches, so none waits for room (tests of the budget
+# itself set their own). Servers started by the tests inherit the environment.
+os.environ.setdefault("ORCHARD_MODEL_CACHE_SHARE", "0.02")
+settings.ORCHARD_MODEL_CACHE_SHARE = float(os.environ["ORCHARD_MODEL_CACHE_SHARE"])
+# No prefix-cache disk tier: a test server's cache would outlive it, and the next run's servers
+# would hit what earlier runs computed (tests/engine/ test the tier on folders of their own).
+os.environ.setdefault("ORCHARD_PREFIX_DISK_BYTES", "0")
+if os.environ["ORCHARD_PREFIX_DISK_BYTES"] == "0":
+    settings.ORCHARD_PREFIX_DISK_BYTES = 0
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -54,6 +66,17 @@ def live_server_url(django_db_setup, tmp_path_factory):
 def tiny_model_path() -> Path:
     """A random-weight qwen3-architecture model with the real Qwen3 tokenizer and template."""
     return build_tiny_model(model_type="qwen3", tokenizer="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def local_hub(tmp_path_factory):
+    """A Hugging Face hub on 127.0.0.1 serving the tiny models (tests/fixtures/hub.py)."""
+    from tests.fixtures.hub import LocalHub, serve_tiny_models
+
+    hub = LocalHub()
+    serve_tiny_models(hub, tmp_path_factory.mktemp("hub"))
+    yield hub
+    hub.close()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.cache.budget import MemoryBudget
+from engine.cache.host import HostMemory
 from engine.cache.mlx_caches import CacheLayout
 from engine.cache.prefix import PrefixCache
 from engine.protocol import ModelSpec
@@ -34,18 +35,34 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def weights_bytes(model: nn.Module) -> int:
+def host_memory(
+    *, share: float | None = None, max_bytes: int | None = None, cache_share: float = 0.5
+) -> HostMemory:
+    """The worker's memory budget: `max_bytes`, or `share` of the device's memory."""
+    if max_bytes is None and share is not None:
+        max_bytes = int(device_memory_bytes() * share)
+    return HostMemory(max_bytes, cache_share=cache_share)
+
+
+def weights_bytes(model: nn.Module | None) -> int:
+    if model is None:  # a stand-in without weights (tests' fake engines)
+        return 0
     return sum(array.nbytes for _, array in tree_flatten(model.parameters()))
 
 
 def plan_memory(
-    spec: ModelSpec, model: nn.Module, layout: CacheLayout | None
+    spec: ModelSpec,
+    model: nn.Module,
+    layout: CacheLayout | None,
+    *,
+    budget_bytes: int | None = None,
 ) -> tuple[MemoryBudget | None, PrefixCache | None]:
     """The budget and prefix cache for a model (none without a cache layout Orchard can
-    measure and slice)."""
+    measure and slice): `budget_bytes` as the worker's memory budget granted it (engine/cache/
+    host.py), else the spec's own, else a share of the device less the weights."""
     if layout is None:
         return None, None
-    total = spec.memory_budget_bytes
+    total = budget_bytes if budget_bytes is not None else spec.memory_budget_bytes
     if total is None:
         total = int(device_memory_bytes() * DEVICE_SHARE) - weights_bytes(model)
         total = max(total, MIN_BUDGET_BYTES)

@@ -11,6 +11,7 @@ from collections import deque
 
 import mlx.core as mx
 
+from engine.cache.memory import weights_bytes
 from engine.core.draft_model import DraftModel, DraftModelError
 from engine.core.fairness import FairShare
 from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
@@ -50,6 +51,7 @@ class BatchedEngine(EngineLoop):
         if self.spec.draft_path and speculating:
             draft = load_model(self.spec.draft_path)
             self.draft_model = DraftModel(draft, target=self.loaded)
+            self.weights_bytes += weights_bytes(draft.model)
         elif self.spec.draft_path and self.spec.speculative_tokens > 0:
             raise DraftModelError(
                 f"{self.spec.name} cannot take drafts: its cache has state other than "

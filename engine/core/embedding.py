@@ -103,6 +103,7 @@ class EmbeddingEngine:
         self._turns = itertools.count()
         self.num_forwards = 0
         self._num_tokens = 0
+        self.cache_bytes: int | None = None  # its workspace in the worker's memory budget
         self._thread = threading.Thread(
             target=self._main, name=f"orchard-embed-{spec.name}", daemon=True
         )

@@ -30,7 +30,8 @@ import mlx.core as mx
 
 from engine.cache import mlx_caches as caches
 from engine.cache.budget import MemoryBudget
-from engine.cache.memory import plan_memory
+from engine.cache.disk import PrefixDiskConfig, open_disk_tier
+from engine.cache.memory import plan_memory, weights_bytes
 from engine.cache.mlx_caches import CacheLayout
 from engine.cache.prefix import PrefixCache
 from engine.core.meter import Meter
@@ -85,10 +86,15 @@ class EngineLoop:
         self._draining = False  # engine thread only
         self.leftover: list = []  # commands taken with a STOP, after it (engine thread only)
         self._meter = Meter()
+        # The caches' budget the worker's memory budget granted (None: sized from the device's
+        # memory), and the weights' bytes as loaded (set by `setup_caches`).
+        self.cache_bytes: int | None = None
+        self.weights_bytes = 0
         # Set on the engine thread by `setup_caches`.
         self.layout: CacheLayout | None = None
         self.memory: MemoryBudget | None = None
         self.prefix_cache: PrefixCache | None = None
+        self.prefix_disk: PrefixDiskConfig | None = None  # the prefix cache's disk tier, if any
         self._thread = threading.Thread(
             target=self._main, name=f"orchard-engine-{spec.name}", daemon=True
         )
@@ -360,7 +366,12 @@ class EngineLoop:
         except Exception as exc:  # a model whose cache cannot be probed serves without reuse
             logger.warning("no prefix cache for %s: %s", self.spec.name, describe(exc))
             self.layout = None
-        self.memory, self.prefix_cache = plan_memory(self.spec, self.loaded.model, self.layout)
+        self.weights_bytes = weights_bytes(self.loaded.model)
+        self.memory, self.prefix_cache = plan_memory(
+            self.spec, self.loaded.model, self.layout, budget_bytes=self.cache_bytes
+        )
+        if self.prefix_cache is not None:
+            self.prefix_cache.disk = open_disk_tier(self.prefix_disk, self.spec, self.layout)
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         """The model's info as this engine serves it (what requests are validated against)."""
@@ -389,10 +400,19 @@ class EngineLoop:
         so a replacement or a restart does not need room for two copies."""
         if self.loaded is not None:
             self.loaded = dataclasses.replace(self.loaded, model=None)
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # what it holds goes to its disk tier, if any
         self.prefix_cache = None
         runner = getattr(self, "runner", None)
         if runner is not None:  # emptied by close(); its model and cache go
-            runner.model = runner.prefix_cache = None
+            runner.drop()
+        # Whatever else of the engine's holds arrays (a draft model, the scheduler's reference
+        # to the prefix cache): the memory budget counts this engine's memory as returned.
+        if getattr(self, "draft_model", None) is not None:
+            self.draft_model = None
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.prefix_cache = None
         try:
             mx.clear_cache()
         except Exception:

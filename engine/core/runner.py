@@ -94,6 +94,10 @@ class BatchRunner:
         self._ahead: tuple[list[Sequence], SampleResult] | None = None
         self.prefill_seconds: float | None = None  # of the last step's prefill
 
+    def drop(self) -> None:
+        """Let go of the model's arrays (its engine has ended): the forward closes over them."""
+        self.model = self.prefix_cache = self._last_logits = None
+
     @property
     def num_rows(self) -> int:
         return len(self._rows)
@@ -373,6 +377,10 @@ class SequenceRunner:
         self.prefix_cache = prefix_cache
         self.hybrid = hybrid
         self._last_logits = last_logits(model)
+
+    def drop(self) -> None:
+        """Let go of the model's arrays (its engine has ended): the forward closes over them."""
+        self.model = self.prefix_cache = self._last_logits = None
 
     def prefill(self, seq: Sequence, chunk_size: int) -> tuple[Cache, list[Sampled]]:
         """The cache of `seq`'s prompt, computed in chunks that end at its checkpoints, from a

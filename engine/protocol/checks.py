@@ -31,13 +31,6 @@ def validate_generation(
         raise InvalidRequestError(f"The {prompt_param} is empty.", param=prompt_param)
     completion = params.max_tokens or 1
     needed = params.n * (num_prompt + completion)
-    if info.max_request_tokens is not None and needed > info.max_request_tokens:
-        raise InvalidRequestError(
-            f"This request needs room for {needed} tokens ({params.n} × ({num_prompt} + "
-            f"{completion})) in the model's memory, which holds {info.max_request_tokens}. "
-            "Lower max_tokens or n, or shorten the prompt.",
-            param="max_tokens",
-        )
     if num_prompt + completion > info.context_length:
         raise InvalidRequestError(
             f"This model's maximum context length is {info.context_length} tokens. However, you "
@@ -46,6 +39,13 @@ def validate_generation(
             "or completion.",
             param=prompt_param,
             code="context_length_exceeded",
+        )
+    if info.max_request_tokens is not None and needed > info.max_request_tokens:
+        raise InvalidRequestError(
+            f"This request needs room for {needed} tokens ({params.n} × ({num_prompt} + "
+            f"{completion})) in the model's memory, which holds {info.max_request_tokens}. "
+            "Lower max_tokens or n, or shorten the prompt.",
+            param="max_tokens",
         )
     # Last, once the prompt is known to fit (its length bounds this scan), and in C: this runs
     # on the event loop.

@@ -37,6 +37,17 @@ class ModelUnavailableError(EngineError):
     code = "model_unavailable"
 
 
+class ModelCapacityError(ModelUnavailableError):
+    """The model is not loaded and the memory budget has no room for it, even after unloading
+    every idle model that is not pinned; the API answers 503 with Retry-After."""
+
+    code = "model_capacity_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int = 10):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class ModelLoadError(EngineError):
     """The model could not be loaded (the message says why); the API answers 503."""
 

@@ -42,6 +42,12 @@ class ModelSpec:
     # work.
     fair_share: bool = True
     tier_min_share: float = 0.1
+    # Residency in the worker's memory budget (engine/cache/host.py): a pinned model is never
+    # unloaded to make room or after idling; others unload after `idle_unload_s` seconds
+    # without requests (None: the worker's default; 0: never). Not part of a spec's identity:
+    # changing them never reloads the model.
+    pinned: bool = field(default=False, compare=False)
+    idle_unload_s: float | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,8 +101,16 @@ class ModelStatus:
     error: str | None = None
     failed_at: float | None = None  # Unix time of the failure
     failed_spec: ModelSpec | None = None
+    # The failure's error code: "model_capacity_exceeded" when the memory budget had no room.
+    failure_code: str | None = None
     stats: EngineStats | None = None  # of the serving engine
     restarts: int = 0  # times its engine died and was started again by the worker
+    # Its place in the worker's memory budget: bytes held (weights and caches' budget, of
+    # every engine of the name), Unix time of its last request, and its residency settings.
+    memory_bytes: int = 0
+    last_used: float | None = None
+    pinned: bool = False
+    idle_unload_s: float | None = None
 
 
 @dataclass(frozen=True)

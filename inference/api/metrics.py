@@ -15,7 +15,7 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from accounts.authentication import AuthenticationError, authenticate_header
-from inference.services.engines import get_engine_client
+from inference.services.engines import get_engine_client, registered_names
 from inference.services.metrics import exposition
 from inference.services.tenants import tenant_labels
 
@@ -48,7 +48,11 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     refused = await _allowed(request)
     if refused is not None:
         return refused
-    stats = await get_engine_client().stats()
+    client = get_engine_client()
+    stats = await client.stats()
     tenants = {tenant for s in stats for tenant in s.tenants}
     teams = await sync_to_async(tenant_labels)(tenants) if tenants else {}
-    return HttpResponse(exposition(stats, teams), content_type=CONTENT_TYPE_LATEST)
+    names = await sync_to_async(registered_names)()
+    statuses = [client.model_status(name) for name in names]
+    body = exposition(stats, teams, statuses=statuses, budgets=client.memory_budgets())
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

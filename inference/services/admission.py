@@ -25,15 +25,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
+from django.utils import timezone
 
 from accounts import limits
 from accounts.models import ApiKey
 from common.request_threads import detach
-from engine import ModelLoadError
+from engine import ModelCapacityError, ModelLoadError, ModelUnavailableError
 from inference.errors import APIError, model_not_found
 from inference.models import ModelEntry
 from inference.services import metrics, prework
 from inference.services.held_refusals import refused_keys
+from inference.services.prices import FREE, Price, price_at
 from inference.services.refusals import refusals
 from inference.services.registry import model_for_key
 from inference.services.settlement import Settlement
@@ -66,13 +68,14 @@ class Intake:
         self.endpoint = endpoint
         self.admission = admission
         self.model = ""  # once known, for refusals
+        self.price: Price = FREE  # the model's, when it is found: what the request is billed at
         self._work: set[asyncio.Future] = set()
         self._settled_by: Settlement | None = None
 
     async def model_entry(self, *, name: str, kind: str) -> ModelEntry:
         """The registry entry `name` stands for, if this key may use it (404 otherwise) and it
         is of the endpoint's `kind` (400 otherwise)."""
-        entry = await sync_to_async(model_for_key)(self.api_key, name)
+        entry, self.price = await sync_to_async(_model_and_price)(self.api_key, name)
         if entry is None:
             raise model_not_found(name)
         if entry.kind != kind:
@@ -119,13 +122,23 @@ class Intake:
         The caller must `settle()` what this returns; its release is the settlement's from then
         on."""
         await _limited(
-            self.admission.reserve(reserved_tokens=reserved_tokens, min_tokens=min_tokens),
+            self.admission.reserve(
+                reserved_tokens=reserved_tokens,
+                min_tokens=min_tokens,
+                token_cost=self.price.token_cost,
+            ),
             api_key=self.api_key,
             model=model,
             endpoint=self.endpoint,
         )
         self._settled_by = Settlement(
-            self.api_key, self.request_id, model, self.endpoint, self.admission, service_tier
+            self.api_key,
+            self.request_id,
+            model,
+            self.endpoint,
+            self.admission,
+            service_tier,
+            price=self.price,
         )
         return self._settled_by
 
@@ -138,6 +151,14 @@ class Intake:
         releasing = detach(_release_after(self.admission, pending, self.request_id))
         if not pending:
             await asyncio.shield(releasing)
+
+
+def _model_and_price(api_key: ApiKey, name: str) -> tuple[ModelEntry | None, Price]:
+    """The model `name` stands for, if the key may use it, and its price now."""
+    entry = model_for_key(api_key, name)
+    if entry is None:
+        return None, FREE
+    return entry, price_at(model=entry.name, at=timezone.now())
 
 
 async def _release_after(
@@ -166,6 +187,15 @@ async def request_intake(
         yield intake
     finally:
         await intake.close()
+
+
+def model_unavailable(exc: ModelUnavailableError) -> APIError:
+    """503 for a model nothing serves now; with Retry-After when the memory budget has no room
+    for it (room frees as other models' requests end and they idle)."""
+    headers = None
+    if isinstance(exc, ModelCapacityError):
+        headers = {"Retry-After": str(exc.retry_after_s)}
+    return APIError(503, str(exc), code=exc.code, headers=headers)
 
 
 def model_load_failed(entry: ModelEntry) -> APIError:

@@ -25,12 +25,12 @@ from inference.services.registry import model_spec
 
 # ModelStatus.state as the pages say it.
 STATUS_LABELS = {
-    "serving": "serving",
+    "serving": "loaded",
     "loading": "loading",
     "failed": "load failed",
     "stopped": "stopped (engine died)",
     "draining": "draining (its engine workers are shutting down)",
-    "not_loaded": "not loaded",
+    "not_loaded": "unloaded",
 }
 PARSER_NONE = "none"
 PARSER_UNKNOWN = "known once loaded"

@@ -34,7 +34,7 @@ from engine import (
 )
 from inference.errors import APIError
 from inference.models import ModelEntry, UsageRecord
-from inference.services.admission import Intake, model_load_failed
+from inference.services.admission import Intake, model_load_failed, model_unavailable
 from inference.services.engines import get_engine_client
 from inference.services.registry import model_spec
 
@@ -120,7 +120,7 @@ async def _serving(client: EngineClient, entry: ModelEntry) -> EmbeddingInfo:
         return await client.embedding_model(model_spec(entry))
     except ModelUnavailableError as exc:
         logger.warning("embedding model %s: %s", entry.name, exc)
-        raise APIError(503, str(exc), code=exc.code) from None
+        raise model_unavailable(exc) from None
     except ModelLoadError as exc:
         logger.error("embedding model %s could not be loaded: %s", entry.name, exc)
         raise model_load_failed(entry) from None

@@ -30,7 +30,9 @@ def get_engine_client() -> EngineClient:
         elif settings.ORCHARD_ENGINE == "local":
             from engine import LocalEngineClient
 
-            _client = LocalEngineClient(render_processes=settings.ORCHARD_PREPARE_WORKERS)
+            _client = LocalEngineClient(
+                engine_worker(), render_processes=settings.ORCHARD_PREPARE_WORKERS
+            )
         else:
             raise ImproperlyConfigured(f"Unknown ORCHARD_ENGINE {settings.ORCHARD_ENGINE!r}.")
         # Stop with the web process: abort what is in flight and join the engine threads, so no
@@ -39,6 +41,23 @@ def get_engine_client() -> EngineClient:
         atexit.register(_stopped)
         atexit.register(_client.close, 10)
     return _client
+
+
+def engine_worker():
+    """An EngineWorker with the settings' memory budget, idle time and prefix-cache disk tier
+    (the in-process engine and each `runengine` worker have one)."""
+    from engine import EngineWorker, PrefixDiskConfig, host_memory
+
+    disk = settings.ORCHARD_PREFIX_DISK_BYTES
+    return EngineWorker(
+        memory=host_memory(
+            share=settings.ORCHARD_MEMORY_BUDGET_SHARE,
+            max_bytes=settings.ORCHARD_MEMORY_BUDGET_BYTES,
+            cache_share=settings.ORCHARD_MODEL_CACHE_SHARE,
+        ),
+        idle_unload_s=settings.ORCHARD_MODEL_IDLE_SECONDS,
+        prefix_disk=PrefixDiskConfig(settings.ORCHARD_PREFIX_DISK_DIR, disk) if disk else None,
+    )
 
 
 def _stopped() -> None:
@@ -67,8 +86,20 @@ def enabled_specs() -> list[ModelSpec]:
     from inference.models import ModelEntry
     from inference.services.registry import model_spec
 
-    entries = ModelEntry.objects.filter(enabled=True).select_related("draft_model")
+    # Pinned models first, then the default: at start they load first while there is room.
+    entries = (
+        ModelEntry.objects.filter(enabled=True)
+        .select_related("draft_model")
+        .order_by("-pinned", "-is_default", "name")
+    )
     return [model_spec(entry) for entry in entries]
+
+
+def registered_names() -> list[str]:
+    """The enabled models' names (what /metrics reports the state of)."""
+    from inference.models import ModelEntry
+
+    return list(ModelEntry.objects.filter(enabled=True).values_list("name", flat=True))
 
 
 def registry_changed() -> None:
@@ -87,10 +118,11 @@ def registry_changed() -> None:
 
 
 def preload_models() -> None:
-    """Start loading every enabled model at web-process start, without waiting: the server
-    listens at once, and a request that arrives first waits for its model's load. A model that
-    cannot load is logged and answers 503 on its requests. Remote workers place the registry's
-    models themselves."""
+    """Start loading the enabled models that fit in the memory budget at web-process start
+    (pinned ones first, then the default), without waiting: the server listens at once, and a
+    request that arrives first waits for its model's load; the others load on their first
+    request. A model that cannot load is logged and answers 503 on its requests. Remote workers
+    place the registry's models themselves."""
     if settings.ORCHARD_ENGINE == "remote":
         return
     try:
@@ -98,7 +130,4 @@ def preload_models() -> None:
     except Exception:
         logger.warning("model preload skipped: the database is not ready (run migrate)")
         return
-    client = get_engine_client()
-    for spec in specs:
-        logger.info("loading model %s from %s", spec.name, spec.path)
-        client.start_loading(spec)
+    get_engine_client().place_models(specs, load_new=True)

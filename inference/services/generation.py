@@ -56,7 +56,7 @@ from engine import (
 from inference.errors import APIError
 from inference.models import SAMPLING_DEFAULT_FIELDS, ModelEntry
 from inference.parsers.registry import OutputParsing, detect_reasoning_parser, detect_tool_parser
-from inference.services.admission import Intake, model_load_failed
+from inference.services.admission import Intake, model_load_failed, model_unavailable
 from inference.services.cache_scope import prefix_cache_scope
 from inference.services.engines import get_engine_client
 from inference.services.execution import ERROR_RELOADING, Execution
@@ -370,7 +370,7 @@ async def _serving_model(entry: ModelEntry) -> ModelInfo:
         return await get_engine_client().serving_model(model_spec(entry))
     except ModelUnavailableError as exc:
         logger.warning("model %s: %s", entry.name, exc)
-        raise APIError(503, str(exc), code=exc.code) from None
+        raise model_unavailable(exc) from None
     except Exception as exc:
         if not isinstance(exc, ModelLoadError):
             logger.exception("loading model %s from %s failed", entry.name, entry.path)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine import EngineStats
+from engine import EngineStats, ModelStatus
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 REQUESTS = Counter(
@@ -149,6 +149,7 @@ class _EngineCollector:
             "Prompt tokens not recomputed thanks to the prefix cache.",
             labels=["model"],
         )
+        tiers = self._tiers()
         drafted = CounterMetricFamily(
             "orchard_speculative_draft_tokens",
             "Draft tokens checked by speculative decoding.",
@@ -171,14 +172,118 @@ class _EngineCollector:
             lookups.add_metric([stats.model], cache.get("lookups", 0))
             hits.add_metric([stats.model], cache.get("hits", 0))
             hit_tokens.add_metric([stats.model], cache.get("hit_tokens", 0))
+            for key, family in tiers.items():
+                family.add_metric([stats.model], cache.get(key, 0))
         yield from families.values()
         yield from (lookups, hits, hit_tokens, drafted, accepted)
+        yield from tiers.values()
         yield from self._teams()
 
+    @staticmethod
+    def _tiers() -> dict:
+        """The prefix cache's memory entries and its disk tier (engine/cache/disk/), by the key
+        of its stats (PrefixCacheStats) each reads."""
+        gauges = {
+            "nodes": ("orchard_prefix_cache_entries", "Entries the prefix cache holds in memory."),
+            "disk_entries": ("orchard_prefix_cache_disk_entries", "Files of the disk tier."),
+            "disk_bytes": ("orchard_prefix_cache_disk_bytes", "Bytes of the disk tier's files."),
+            "disk_max_bytes": (
+                "orchard_prefix_cache_disk_max_bytes",
+                "The disk tier's budget (0: no disk tier).",
+            ),
+        }
+        counters = {
+            "disk_lookups": "Lookups that memory could not serve in full, tried on disk.",
+            "disk_hits": "Hits the disk tier made or lengthened.",
+            "disk_hit_tokens": "Prompt tokens read back from disk instead of recomputed.",
+            "disk_spills": "Entries written to disk (evicted from memory, or kept at unload).",
+            "disk_spill_bytes": "Bytes written to disk.",
+            "disk_spills_dropped": "Entries not written: the writer was behind, or stopped.",
+            "disk_read_errors": "Files refused (corrupt, truncated, foreign) and deleted.",
+            "disk_write_errors": "Writes that failed (a full disk, an unwritable folder).",
+        }
+        families = {
+            key: GaugeMetricFamily(name, text, labels=["model"])
+            for key, (name, text) in gauges.items()
+        }
+        for key, text in counters.items():
+            name = f"orchard_prefix_cache_{key}"
+            families[key] = CounterMetricFamily(name, text, labels=["model"])
+        return families
 
-def exposition(stats: list[EngineStats], teams: Mapping[str, str] | None = None) -> bytes:
+
+# A model's place in the memory budget, as the metrics name its ModelStatus.state.
+MODEL_STATES = {
+    "not_loaded": "unloaded",
+    "loading": "loading",
+    "serving": "loaded",
+    "failed": "failed",
+    "stopped": "stopped",
+    "draining": "draining",
+}
+
+
+class _ResidencyCollector:
+    """Each registered model's state, memory, last use and pinning, and each worker's memory
+    budget (engine/cache/host.py)."""
+
+    def __init__(self, statuses: list[ModelStatus], budgets: Mapping[str, Mapping]):
+        self.statuses = statuses
+        self.budgets = budgets
+
+    def collect(self):
+        state = GaugeMetricFamily(
+            "orchard_model_state",
+            "1 for the model's state, 0 for the others.",
+            labels=["model", "state"],
+        )
+        memory = GaugeMetricFamily(
+            "orchard_model_memory_bytes",
+            "Bytes the model holds in the memory budget (weights and its caches' budget).",
+            labels=["model"],
+        )
+        last_used = GaugeMetricFamily(
+            "orchard_model_last_used_timestamp_seconds",
+            "Unix time of the model's last request.",
+            labels=["model"],
+        )
+        pinned = GaugeMetricFamily(
+            "orchard_model_pinned", "1 if the model is never unloaded.", labels=["model"]
+        )
+        for status in self.statuses:
+            current = MODEL_STATES.get(status.state, status.state)
+            for name in dict.fromkeys([*MODEL_STATES.values(), current]):
+                state.add_metric([status.name, name], 1.0 if name == current else 0.0)
+            memory.add_metric([status.name], status.memory_bytes)
+            if status.last_used is not None:
+                last_used.add_metric([status.name], status.last_used)
+            pinned.add_metric([status.name], 1.0 if status.pinned else 0.0)
+        budget = GaugeMetricFamily(
+            "orchard_memory_budget_bytes",
+            "The memory budget all of a worker's models share (absent: no budget).",
+            labels=["worker"],
+        )
+        used = GaugeMetricFamily(
+            "orchard_memory_used_bytes", "Bytes the worker's models hold in it.", labels=["worker"]
+        )
+        for worker, numbers in self.budgets.items():
+            if numbers.get("max_bytes") is not None:
+                budget.add_metric([worker], numbers["max_bytes"])
+            used.add_metric([worker], numbers.get("used_bytes", 0))
+        yield from (state, memory, last_used, pinned, budget, used)
+
+
+def exposition(
+    stats: list[EngineStats],
+    teams: Mapping[str, str] | None = None,
+    *,
+    statuses: list[ModelStatus] = (),
+    budgets: Mapping[str, Mapping] | None = None,
+) -> bytes:
     """The text format Prometheus scrapes: this process's counts, then the engines' gauges
-    (`teams`: team names by tenant, services/tenants.py)."""
+    (`teams`: team names by tenant, services/tenants.py), then the registered models' places
+    in the memory budget (`statuses`) and the workers' budgets."""
     engines = CollectorRegistry(auto_describe=False)
     engines.register(_EngineCollector(stats, teams or {}))
+    engines.register(_ResidencyCollector(list(statuses), budgets or {}))
     return generate_latest(REGISTRY) + generate_latest(engines)

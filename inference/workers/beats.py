@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
 import redis.asyncio
 
-from engine import EmbeddingInfo, EngineStats, ModelInfo, ModelSpec, ModelStatus
+from engine import (
+    EmbeddingInfo,
+    EngineStats,
+    ModelCapacityError,
+    ModelInfo,
+    ModelSpec,
+    ModelStatus,
+)
 
 
 @dataclass
@@ -37,6 +45,11 @@ class ModelBeat:
     stats: dict[str, Any] | None = None
     version: str = ""
     restarts: int = 0
+    # Its place in the worker's memory budget (ModelStatus has the same).
+    failure_code: str | None = None
+    memory_bytes: int = 0
+    last_used: float | None = None
+    pinned: bool = False
     # Open choices per web process (reply channel): a web process subtracts its own from
     # `load` and adds what it has in flight now, so a burst it sends between beats is counted.
     by_reply: dict[str, int] = field(default_factory=dict)
@@ -75,6 +88,14 @@ class WorkerBeat:
     open_requests: dict[str, list[str]] = field(default_factory=dict)
     model_filter: list[str] | None = None  # --models, None: every enabled model
     models: dict[str, ModelBeat] = field(default_factory=dict)
+    # The worker's memory budget (None: none) and the bytes its models hold in it.
+    memory_max_bytes: int | None = None
+    memory_used_bytes: int = 0
+
+    def memory_free(self) -> float:
+        if self.memory_max_bytes is None:
+            return math.inf
+        return self.memory_max_bytes - self.memory_used_bytes
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -227,18 +248,19 @@ def model_status(name: str, workers: list[WorkerBeat]) -> ModelStatus:
     loading = [b for _, b in beats if b.loading]
     failed = [b for _, b in beats if b.error]
     draining = [b for w, b in beats if b.state == "serving" and w.draining]
+    unloaded = [b for _, b in beats if b.state == "not_loaded"]
     if serving:
         state = "serving"
     elif draining:
         state = "draining"
     elif loading:
         state = "loading"
-    elif failed:
+    elif failed and not all(b.failure_code == ModelCapacityError.code for b in failed):
         state = "failed"
-    elif beats:
-        state = "stopped"
+    elif unloaded or not beats:
+        state = "not_loaded"  # offered by workers that load it on its first request
     else:
-        state = "not_loaded"
+        state = "stopped"
     return ModelStatus(
         name=name,
         state=state,
@@ -249,6 +271,10 @@ def model_status(name: str, workers: list[WorkerBeat]) -> ModelStatus:
         failed_spec=ModelSpec.from_dict(failed[0].failed_spec)
         if failed and failed[0].failed_spec
         else None,
+        failure_code=failed[0].failure_code if failed else None,
         stats=sum_stats(name, [b for b in serving]),
         restarts=sum(b.restarts for _, b in beats),
+        memory_bytes=sum(b.memory_bytes for _, b in beats),
+        last_used=max((b.last_used for _, b in beats if b.last_used), default=None),
+        pinned=any(b.pinned for _, b in beats),
     )

@@ -69,6 +69,7 @@ class RemoteEngineClient(EngineClient):
         self.fleet = Fleet(
             store,
             nudge_workers=self._nudge_workers,
+            load_on=self._load_on,
             heartbeat_s=heartbeat_s,
             timeout_s=timeout_s,
             refresh_s=self.refresh_s,
@@ -176,6 +177,12 @@ class RemoteEngineClient(EngineClient):
         except Exception:
             logger.warning("could not reach the engine workers", exc_info=True)
 
+    async def _load_on(self, worker_id: str, spec: ModelSpec) -> None:
+        await self._send_quietly(
+            worker_channel(self.namespace, worker_id),
+            {"type": "load", "spec": spec.to_dict(), "force": False},
+        )
+
     def place_models(self, specs: list[ModelSpec], *, load_new: bool = True) -> None:
         """The workers read the registry themselves: tell them to look now."""
         self._group_send_sync({"type": "registry.changed"})
@@ -183,7 +190,7 @@ class RemoteEngineClient(EngineClient):
     def start_loading(self, spec: ModelSpec, *, force: bool = False) -> None:
         self._group_send_sync({"type": "load", "spec": spec.to_dict(), "force": force})
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, *, drain: bool = False) -> None:
         await self._started()
         await self._layer.group_send(
             registry_group(self.namespace), {"type": "unload", "model": name}
@@ -200,6 +207,15 @@ class RemoteEngineClient(EngineClient):
     def workers(self) -> list[WorkerBeat]:
         """The live workers' last beats (any thread)."""
         return self.fleet.beats()
+
+    def memory_budgets(self) -> dict[str, dict[str, int | None]]:
+        return {
+            beat.worker_id: {
+                "max_bytes": beat.memory_max_bytes,
+                "used_bytes": beat.memory_used_bytes,
+            }
+            for beat in self.workers()
+        }
 
     def model_status(self, name: str) -> ModelStatus:
         return model_status(name, self.workers())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from engine import (
     EmbeddingInfo,
+    ModelCapacityError,
     ModelInfo,
     ModelLoadError,
     ModelNotLoadedError,
@@ -38,6 +39,10 @@ AFFINITY_SLACK = 2
 # After asking the workers to look at the registry, how long a model nobody serves may take to
 # show up as loading somewhere before the request is refused.
 PLACEMENT_GRACE_S = 3.0
+CAPACITY = ModelCapacityError.code
+# Clocks of the web and worker hosts may differ by this much (a load failure's time is the
+# worker's, the request to load the web process's).
+CLOCK_SLACK_S = 2.0
 
 
 @dataclass
@@ -57,6 +62,7 @@ class Fleet:
         store: BeatStore,
         *,
         nudge_workers: Callable[[], Awaitable[None]],
+        load_on: Callable[[str, ModelSpec], Awaitable[None]] | None = None,
         heartbeat_s: float,
         timeout_s: float,
         refresh_s: float,
@@ -64,6 +70,7 @@ class Fleet:
     ):
         self.store = store
         self.nudge_workers = nudge_workers
+        self.load_on = load_on  # asks one worker to load a model it offers
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self.refresh_s = refresh_s
@@ -209,6 +216,7 @@ class Fleet:
         # clock when it comes back, so two short gaps do not add up to a refusal.
         absent_since: float | None = None
         wanted = spec.to_dict()
+        asked: dict[str, float] = {}  # worker id -> when it was asked to load the model
         while True:
             serving = [
                 w
@@ -227,10 +235,15 @@ class Fleet:
             beats = [b for w in self.live() if (b := w.beat.models.get(spec.name)) is not None]
             if any(b.state == "loading" for b in beats) or serving:
                 absent_since = None
+            elif await self._load_on_offering(spec, asked):
+                absent_since = None  # a worker that offers it was asked to load it
             else:
-                failed = [b for b in beats if b.error]
+                failed = [b for b in beats if b.error and b.failure_code != CAPACITY]
                 if failed:
                     raise ModelLoadError(failed[0].error)
+                full = [b for b in beats if b.failure_code == CAPACITY]
+                if full:
+                    raise ModelCapacityError(full[0].error or "No room for the model.")
                 now = time.monotonic()
                 if absent_since is None:
                     absent_since = now
@@ -246,6 +259,32 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise ModelLoadError(f"The model {spec.name!r} is still loading.")
             await asyncio.sleep(self.refresh_s / 2)
+
+    async def _load_on_offering(self, spec: ModelSpec, asked: dict[str, float]) -> bool:
+        """Ask the worker with the most free memory among those that offer `spec` without
+        having it loaded (the registry enables it for them; it did not fit at their start, or
+        idled out) to load it; True while such a worker is asked or still to be asked. One that
+        answers with no room is passed over for the next."""
+        if self.load_on is None:
+            return False
+        offering = []
+        for worker in self.live():
+            beat = worker.beat.models.get(spec.name)
+            if worker.beat.draining or beat is None or beat.state != "not_loaded":
+                continue
+            at = asked.get(worker.beat.worker_id)
+            if at is None:
+                offering.append(worker)
+                continue
+            refused = beat.failure_code == CAPACITY and (beat.failed_at or 0) >= at - CLOCK_SLACK_S
+            if not refused:
+                return True  # asked, and no answer yet
+        if not offering:
+            return False
+        best = max(offering, key=lambda w: w.beat.memory_free())
+        asked[best.beat.worker_id] = time.time()
+        await self.load_on(best.beat.worker_id, spec)
+        return True
 
     async def nudge(self, model: str = "") -> None:
         now = time.monotonic()

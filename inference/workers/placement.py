@@ -59,15 +59,23 @@ class Placement:
                 logger.warning("could not follow the registry", exc_info=True)
 
     async def place(self) -> None:
-        """Serve what the registry enables (within --models); retire the rest, letting what
-        it runs finish."""
+        """Offer what the registry enables (within --models): a served model follows its spec,
+        another loads if it fits in the memory budget beside what is loaded (else on a web
+        process's request: `load`); retire the rest, letting what it runs finish."""
         if self.stopped:
             return
         specs = {spec.name: spec for spec in await self.desired() if self.allowed(spec.name)}
         self.specs = specs
+        served = set(self.worker.names())
         for spec in specs.values():
             try:
-                future = self.worker.serve(spec)
+                if spec.name in served:
+                    future = self.worker.serve(spec, request=False)
+                else:
+                    future = self.worker.preload(spec)
+                    if future is None:
+                        self.worker.remember(spec)
+                        continue
             except ValueError as exc:
                 self._log_failure(spec.name, str(exc))
                 continue
@@ -80,7 +88,8 @@ class Placement:
         self.changed()
 
     def load(self, spec: ModelSpec, *, force: bool) -> None:
-        """An admin's reload (`force`: even when the spec serves)."""
+        """An admin's reload (`force`: even when the spec serves), or a web process's request
+        for a model this worker offers but has not loaded (idle models make room for it)."""
         if self.stopped or not self.allowed(spec.name):
             return
         self.worker.load(spec, force=force).add_done_callback(

@@ -397,6 +397,10 @@ class EngineServer:
                 failed_spec=status.failed_spec.to_dict() if status.failed_spec else None,
                 stats=status.stats.to_dict() if status.stats else None,
                 restarts=status.restarts,
+                failure_code=status.failure_code,
+                memory_bytes=status.memory_bytes,
+                last_used=status.last_used,
+                pinned=status.pinned,
             )
             if status.state == "serving":
                 engine = self.worker.engine(name)
@@ -416,6 +420,7 @@ class EngineServer:
                 if model == name:
                     beat.by_reply[reply] = beat.by_reply.get(reply, 0) + 1
             models[name] = beat
+        memory = self.worker.memory_stats()
         open_requests: dict[str, list[str]] = {}
         for request_id, flight in self._flights.items():
             open_requests.setdefault(flight.reply, []).append(request_id)
@@ -435,6 +440,8 @@ class EngineServer:
                 open_requests=open_requests,
                 model_filter=self.placement.model_filter,
                 models=models,
+                memory_max_bytes=memory["max_bytes"],
+                memory_used_bytes=memory["used_bytes"],
             ),
             ttl,
         )

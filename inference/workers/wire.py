@@ -22,6 +22,7 @@ from engine import (
     EngineOverloadedError,
     GenerationOutput,
     InvalidRequestError,
+    ModelCapacityError,
     ModelLoadError,
     ModelNotLoadedError,
     ModelUnavailableError,
@@ -33,6 +34,7 @@ _ERROR_KINDS: dict[str, type[EngineError]] = {
     "not_loaded": ModelNotLoadedError,
     "load_failed": ModelLoadError,
     "unavailable": ModelUnavailableError,
+    "capacity": ModelCapacityError,
     "engine": EngineError,
 }
 # Fields a GenerationOutput always carries on the wire; the others only when set.

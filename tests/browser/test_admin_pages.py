@@ -130,7 +130,7 @@ def test_a_broken_reload_keeps_serving_and_the_admin_shows_why(
             break
         admin_page.wait_for_timeout(100)
         admin_page.reload()
-    assert "serving, last reload failed" in row.inner_text()
+    assert "loaded, last reload failed" in row.inner_text()
     admin_page.goto(f"{live_server_url}/admin/inference/modelentry/{entry.pk}/change/")
     error = admin_page.locator(".field-load_error .readonly").inner_text()
     assert "No safetensors found" in error and str(broken) in error

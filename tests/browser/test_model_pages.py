@@ -71,7 +71,7 @@ def test_the_models_page_says_what_the_api_does(
 
     tools, plain, encoder = cells("tiny-tools"), cells("tiny-plain"), cells("minilm")
     assert [tools[i] for i in (STATUS, CONTEXT, TOOL_PARSER, REASONING_PARSER, WEIGHTS)] == [
-        "serving",
+        "loaded",
         "4096",
         "hermes",
         "qwen3",
@@ -80,7 +80,7 @@ def test_the_models_page_says_what_the_api_does(
     assert [plain[i] for i in (TOOL_PARSER, REASONING_PARSER)] == ["none", "none"]
     # The embedding model: the 256 tokens the API takes, not its 512 positions; no parsers.
     assert [encoder[i] for i in (STATUS, CONTEXT, TOOL_PARSER, REASONING_PARSER)] == [
-        "serving",
+        "loaded",
         "256",
         "—",
         "—",

@@ -92,7 +92,8 @@ def variables_read() -> dict[str, str]:
     found = {}
     for path in sorted((ROOT / "config").glob("*.py")):
         text = text_of(path)
-        names = re.findall(r"env_(?:str|bool|int|float|list)\(\s*\"([A-Z0-9_]+)\"", text)
+        readers = r"env_(?:str|bool|int|float|list|share_or_bytes|bytes)"
+        names = re.findall(readers + r"\(\s*\"([A-Z0-9_]+)\"", text)
         names += re.findall(r"environ\.setdefault\(\s*\"([A-Z0-9_]+)\"", text)
         found.update(dict.fromkeys(names, page_id(path)))
     for path in sorted((ROOT / "engine").rglob("*.py")):

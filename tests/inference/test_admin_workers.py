@@ -50,9 +50,16 @@ def two_workers() -> list[WorkerBeat]:
         model_filter=["qwen3-8b"],
         models={
             "qwen3-8b": ModelBeat(
-                name="qwen3-8b", state="serving", spec={"name": "qwen3-8b"}, stats=stats, restarts=2
+                name="qwen3-8b",
+                state="serving",
+                spec={"name": "qwen3-8b"},
+                stats=stats,
+                restarts=2,
+                memory_bytes=9_000_000_000,
             )
         },
+        memory_max_bytes=48_000_000_000,
+        memory_used_bytes=9_000_000_000,
     )
     draining = WorkerBeat(
         worker_id="gpu2-b",
@@ -118,6 +125,9 @@ def test_remote_mode_shows_each_worker_and_escapes_what_workers_send(settings, m
     assert "<td>7</td>" in text and "<td>3</td>" in text
     assert "<td>41.2</td>" in text or "<td>41.3</td>" in text
     assert "12.5 of 250.0 MB" in text and "<td>2</td>" in text
+    # The worker's memory budget and what the model holds in it; no budget on the other.
+    assert "<td>9,000 of 48,000 MB</td>" in text and "<td>9,000 MB</td>" in text
+    assert "<td>0 MB (no budget)</td>" in text
     assert "failed" in text and "<td>off</td>" in text
     # Each beat's age when the page was made: the serving worker's beat was 0.5 s old when
     # the test built it, and the page took `rendered_in` more (a busy machine: a while).

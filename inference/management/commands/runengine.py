@@ -10,8 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
-from engine import EngineWorker
-from inference.services.engines import enabled_specs
+from inference.services.engines import enabled_specs, engine_worker
 from inference.workers.beats import BeatStore
 from inference.workers.server import EngineServer
 
@@ -62,7 +61,7 @@ class Command(BaseCommand):
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
         server = EngineServer(
-            worker=EngineWorker(),
+            worker=engine_worker(),
             layer=get_channel_layer(),
             store=BeatStore(settings.REDIS_URL, settings.ORCHARD_WORKER_NAMESPACE),
             namespace=settings.ORCHARD_WORKER_NAMESPACE,

@@ -35,7 +35,7 @@ def test_preload_starts_loading_enabled_models_only(fresh_client, tiny_model_pat
     # Embedding models load in the same worker, and the admin reads their state from it.
     assert fresh_client.worker.load(model_spec(encoder)).result(timeout=120).dimensions == 384
     assert sorted(s.model for s in fresh_client.worker.stats()) == ["minilm", "pre"]
-    assert admin.site._registry[ModelEntry].status(encoder) == "serving"
+    assert admin.site._registry[ModelEntry].status(encoder) == "loaded"
 
 
 @pytest.mark.django_db
