@@ -92,11 +92,11 @@ async def test_a_team_money_budget_reserves_each_token_at_its_dearest_price(
     make_limiter, sync_thread_db
 ):
     team, _, keys = await team_with_keys()
-    await sync_to_async(make_budget)(team, unit="money", amount="0.05")  # 50,000,000 nano-units
+    await sync_to_async(make_budget)(team, unit="money", amount="0.005")  # 5,000,000 nano-units
     limiter = make_limiter()
     all_keys = [k for ks in keys.values() for k in ks]
     _, cost, refusals = await drain(limiter, all_keys, reserve=100, token_cost=PRICE)
-    assert 50_000_000 - 100 * PRICE < cost <= 50_000_000
+    assert 5_000_000 - 100 * PRICE < cost <= 5_000_000
     refusal = refusals[0]
     assert refusal.budget.unit == "money"
     assert "team's monthly money budget is exhausted" in refusal.message
