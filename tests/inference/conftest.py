@@ -61,6 +61,43 @@ def scripted_url(django_db_setup, tmp_path_factory):
     stop_daphne(process)
 
 
+def alerts_settled(expected: int = 0, timeout: float = 10) -> int:
+    """The budget alerts written, once the server's alert thread has written at least `expected`
+    and gone quiet (it starts half a second after a request spends a budget: accounts/alerts/
+    worker.py). A test that spends a budget over a live server ends with this: the thread's
+    writes must not meet the flush that empties the tables after the test (on PostgreSQL a
+    TRUNCATE that deadlocks with them; on SQLite rows left for the next test)."""
+    from django.db import connection
+
+    from accounts.spend import BudgetAlert
+
+    deadline = time.monotonic() + timeout
+    time.sleep(0.6)
+    counts = []
+    while time.monotonic() < deadline:
+        counts.append(BudgetAlert.objects.count())
+        busy = 0
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid() AND state <> 'idle'"
+                )
+                busy = cursor.fetchone()[0]
+        if counts[-1] >= expected and not busy and counts[-5:] == [counts[-1]] * 5:
+            break
+        time.sleep(0.05)
+    return counts[-1]
+
+
+def key_alerts_written(used: int, limit: int) -> int:
+    """The alerts of a key budget of `limit` tokens with `used` spent (alerts_settled)."""
+    from django.conf import settings
+
+    reached = sum(1 for t in settings.ORCHARD_BUDGET_ALERT_THRESHOLDS if used * 100 >= t * limit)
+    return alerts_settled(reached)
+
+
 def refused_count(expected: int = 1) -> int:
     """The refusals the day's roll-ups count, once the server has written `expected` of them
     (it writes them within a second: inference/services/refusals.py)."""

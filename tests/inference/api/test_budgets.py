@@ -23,7 +23,7 @@ from accounts.models import AlertWebhook, Budget
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
 from inference.models import ModelEntry, ModelPrice, UsageRecord
 from inference.services.prices import Price
-from tests.inference.conftest import TINY
+from tests.inference.conftest import TINY, alerts_settled
 
 BODY = {
     "model": TINY,
@@ -95,6 +95,7 @@ def test_a_team_token_budget_holds_under_32_concurrent_requests(live_server_url,
     assert statuses.count(200) == 10
     # Team beta's key is not touched by alpha's budget.
     assert one_request_tokens(live_server_url, stranger) == per_request
+    assert alerts_settled(2) == 2  # the team budget's 50 and 80 % alerts (10 requests of 10.x)
 
 
 def test_a_member_money_budget_holds_and_rows_record_their_cost(live_server_url, tiny_models):
@@ -147,6 +148,7 @@ def test_a_member_money_budget_holds_and_rows_record_their_cost(live_server_url,
     assert 500_000 - spent < rows[0].reserved_tokens * price.token_cost
     # Carl, in the same team, still works.
     assert one_request_tokens(live_server_url, carl) > 0
+    assert alerts_settled(2) >= 2  # Mia's budget's 50 and 80 % alerts, at least
 
 
 def test_budget_refusals_in_openai_and_anthropic_shapes(live_server_url, tiny_models):

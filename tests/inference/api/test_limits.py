@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from inference.models import UsageRecord
-from tests.inference.conftest import TINY, refused_count
+from tests.inference.conftest import TINY, key_alerts_written, refused_count
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 RATE_HEADERS = (
@@ -71,6 +71,9 @@ def test_budget_exhaustion_is_insufficient_quota(live_server_url, make_key, tiny
     assert caught.value.body["type"] == "insufficient_quota"
     ok = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=5)
     assert ok.usage.total_tokens <= 60
+    # The budget's alerts (50/80/100 %) as far as this request reached them.
+    reached = sum(1 for t in (50, 80, 100) if ok.usage.total_tokens * 100 >= t * 60)
+    assert key_alerts_written(ok.usage.total_tokens, 60) == reached
 
 
 def test_fifty_simultaneous_requests_against_max_parallel_two(
@@ -182,6 +185,8 @@ def test_a_budget_below_one_context_is_not_exhausted(live_server_url, make_key, 
         client.chat.completions.create(model=TINY, messages=MESSAGES)
     assert caught.value.code == "insufficient_quota"
     assert refused_count() == 1
+    used = first.usage.total_tokens + rest.usage.total_tokens
+    assert key_alerts_written(used, 250) >= 2  # 50 % and 80 % at least
 
 
 def test_a_limited_key_is_refused_before_its_prompt_is_rendered(
