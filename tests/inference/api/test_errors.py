@@ -218,7 +218,10 @@ def test_overloaded_model_answers_503(live_server_url, api_key, make_key, tiny_m
         async with httpx.AsyncClient(
             base_url=live_server_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
         ) as client:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as running:
+            # The running request holds the one row for as long as the context allows (a fast
+            # machine generates 2,000 tokens before the third request below is admitted).
+            longest = {**body, "max_tokens": 4000}
+            async with client.stream("POST", "/v1/chat/completions", json=longest) as running:
                 assert running.status_code == 200
                 # The second request waits in the model's one-place queue (the engine's gauge
                 # says when)...
