@@ -63,16 +63,7 @@ class CostsQuery(serializers.Serializer):
 
 class OrganizationCosts(UsageCompletions):
     def get(self, request):
-        data = {
-            key: request.query_params.getlist(key) if key in LIST_PARAMS else value
-            for key, value in request.query_params.items()
-        }
-        query = CostsQuery(data=data)
-        query.is_valid(raise_exception=True)
-        q = query.validated_data
-        teams = self.teams(request)
-        if q.get("project_ids"):
-            teams = [t for t in teams if t.pk in set(q["project_ids"])]
+        q, teams = self.validated(request, CostsQuery)
         days, page_days, more = page_of_days(q)
         results: dict[datetime.date, list[dict]] = {}
         if page_days:

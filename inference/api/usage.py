@@ -104,17 +104,23 @@ class UsageCompletions(APIView):
             return [api_key.team]
         return list(teams_owned_by(user=request.user))
 
-    def get(self, request):
+    def validated(self, request, serializer) -> tuple[dict, list[Team]]:
+        """The query's fields checked by `serializer`, and the teams it may read (narrowed to
+        its project_ids)."""
         data = {
             key: request.query_params.getlist(key) if key in LIST_PARAMS else value
             for key, value in request.query_params.items()
         }
-        query = UsageQuery(data=data)
+        query = serializer(data=data)
         query.is_valid(raise_exception=True)
         q = query.validated_data
         teams = self.teams(request)
         if q.get("project_ids"):
             teams = [t for t in teams if t.pk in set(q["project_ids"])]
+        return q, teams
+
+    def get(self, request):
+        q, teams = self.validated(request, UsageQuery)
         days, page_days, more = page_of_days(q)
         begin = days[0] if days else _day(q["start_time"])
         rows = reports.daily_rows(
