@@ -9,14 +9,15 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core, at most 4 (each runs its own live servers).
 PYTEST_WORKERS ?= auto
 # The tests of the database's own behaviour (row locks, concurrent admissions, budgets, usage
-# roll-ups) run a second time on PostgreSQL, the production database. Set TEST_POSTGRES_URL=
-# (empty) to skip that pass where no PostgreSQL runs.
+# roll-ups, the files quota) run a second time on PostgreSQL, the production database. Set
+# TEST_POSTGRES_URL= (empty) to skip that pass where no PostgreSQL runs.
 TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/orchard
 GATEWAY_TESTS := tests/accounts tests/inference/services/test_usage.py \
   tests/inference/services/test_registry.py tests/inference/api/test_limits.py \
   tests/inference/api/test_limits_redis.py tests/inference/services/test_costs.py \
   tests/inference/api/test_budgets.py tests/inference/api/test_budgets_redis.py \
-  tests/inference/api/test_costs_api.py
+  tests/inference/api/test_costs_api.py tests/inference/api/test_files.py \
+  tests/inference/api/test_batches.py tests/inference/services/test_batch_lines.py
 
 PY := $(VENV)/bin/python
 # Python writes its compiled modules (__pycache__) even where the environment says not to

@@ -38,15 +38,38 @@ def authenticate_header(header: str | None) -> ApiKey:
     raw_key = parts[1]
     if not keys.is_well_formed(raw_key):
         raise AuthenticationError(ERROR_INVALID)
-    membership = Membership.objects.filter(team_id=OuterRef("team_id"), user_id=OuterRef("user_id"))
-    api_key = (
-        ApiKey.objects.select_related("team", "user", "parent")
-        .annotate(user_is_member=Exists(membership))
-        .filter(prefix=keys.lookup_prefix(raw_key))
-        .first()
-    )
+    api_key = _with_membership().filter(prefix=keys.lookup_prefix(raw_key)).first()
     if api_key is None or not keys.digest_matches(raw_key, api_key.digest):
         raise AuthenticationError(ERROR_INVALID)
+    _check(api_key)
+    now = timezone.now()
+    # The budgets its requests spend today, read here with the key (the limiter would otherwise
+    # read them on the event loop's behalf, in a thread of its own).
+    api_key.budget_rows = budget_rows_for(api_key, now.date())
+    api_key_touch_last_used(api_key=api_key, now=now)
+    return api_key
+
+
+def api_key_still_valid(api_key_id: int) -> ApiKey:
+    """The key `api_key_id`, loaded and checked as a request's key is (revoked, expired, its
+    member gone: AuthenticationError), for work it started that runs on after its request (a
+    batch's lines)."""
+    api_key = _with_membership().filter(pk=api_key_id).first()
+    if api_key is None:
+        raise AuthenticationError(ERROR_REVOKED)
+    _check(api_key)
+    api_key.budget_rows = budget_rows_for(api_key, timezone.now().date())
+    return api_key
+
+
+def _with_membership():
+    membership = Membership.objects.filter(team_id=OuterRef("team_id"), user_id=OuterRef("user_id"))
+    return ApiKey.objects.select_related("team", "user", "parent").annotate(
+        user_is_member=Exists(membership)
+    )
+
+
+def _check(api_key: ApiKey) -> None:
     if api_key.is_revoked:
         raise AuthenticationError(ERROR_REVOKED)
     if api_key.is_expired:
@@ -57,9 +80,3 @@ def authenticate_header(header: str | None) -> ApiKey:
         raise AuthenticationError(ERROR_INVALID)
     if not api_key.user_is_member:
         raise AuthenticationError(ERROR_NOT_A_MEMBER)
-    now = timezone.now()
-    # The budgets its requests spend today, read here with the key (the limiter would otherwise
-    # read them on the event loop's behalf, in a thread of its own).
-    api_key.budget_rows = budget_rows_for(api_key, now.date())
-    api_key_touch_last_used(api_key=api_key, now=now)
-    return api_key

@@ -5,7 +5,8 @@ and the usage and costs APIs timed.
 
 Fills a throwaway SQLite database (var/bench-reports.sqlite3, or DATABASE_URL) with `--rows`
 finished usage rows over 90 days, 5 teams, 60 keys and 4 priced models (each row with its cost
-per line item, as the server writes it), with bulk inserts, then their daily roll-ups; gives the
+per line item, as the server writes it; every tenth a line of a batch, which the reports show
+apart), with bulk inserts, then their daily roll-ups; gives the
 first team a money budget and its first member a token budget (the keys page reads what they
 used). Times each page a member, an owner, staff and a script read (best and median of
 `--repeat`, through Django's test client, rendering included). Target: every one under 300 ms.
@@ -37,7 +38,7 @@ from decimal import Decimal  # noqa: E402
 
 from django.core.management import call_command  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
-from django.db.models import Count, Sum  # noqa: E402
+from django.db.models import Count, Q, Sum  # noqa: E402
 from django.test import Client  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
@@ -130,6 +131,7 @@ def fill(num_rows: int) -> tuple:
                 started_at=started,
                 finished_at=started,
                 duration_ms=100,
+                batch_id=f"batch_{index % 50:04x}" if index % 10 == 0 else "",
             )
         )
         if len(batch) == 20_000:
@@ -140,7 +142,8 @@ def fill(num_rows: int) -> tuple:
     # The roll-ups the server keeps as it finishes each row.
     with transaction.atomic():
         sums = (
-            UsageRecord.objects.values("started_at__date", "team_id", "api_key_id", "model")
+            UsageRecord.objects.annotate(batch=~Q(batch_id=""))
+            .values("started_at__date", "team_id", "api_key_id", "model", "batch")
             .annotate(
                 n=Count("id"),
                 p=Sum("prompt_tokens"),
@@ -158,6 +161,7 @@ def fill(num_rows: int) -> tuple:
                 team_id=row["team_id"],
                 api_key_id=row["api_key_id"],
                 model=row["model"],
+                batch=row["batch"],
                 num_requests=row["n"],
                 num_completed=row["n"],
                 prompt_tokens=row["p"],

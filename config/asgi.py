@@ -1,12 +1,13 @@
 """ASGI entry point: HTTP goes through the body cap (inference/body_cap.py: a body over
-ORCHARD_MAX_BODY_BYTES, or its route's own cap, is a 413 before Django reads it) to Django's own
-ASGI handler (it notices client disconnects while streaming and cancels the view, which aborts
-the generation), with each request's sync thread taken from a pool
-(common/request_threads.py): a key whose rpm refusal is held is answered before Django
+ORCHARD_MAX_BODY_BYTES, or its route's own cap, e.g. the file limit on uploads to /v1/files, is a
+413 before Django reads it) to Django's own ASGI handler (it notices client disconnects while
+streaming and cancels the view, which aborts the generation), with each request's sync thread taken
+from a pool (common/request_threads.py): a key whose rpm refusal is held is answered before Django
 (inference/refused_keys.py), the /v1 routes a key authenticates go to a handler with the API's own
 middleware only, everything else to one with the pages' middleware. Websockets (the live engine
 status) go to Channels with the session's user. At start the process begins loading the enabled
-models and starts its pull runner (inference/services/pulls/runner.py)."""
+models and starts its pull runner (inference/services/pulls/runner.py) and its batch runner
+(inference/batches/runner.py)."""
 
 import os
 
@@ -23,6 +24,7 @@ from django.conf import settings  # noqa: E402
 from django.urls import path, reverse  # noqa: E402
 
 from common.request_threads import PooledASGIHandler  # noqa: E402
+from inference.batches.file_views import upload_body_cap  # noqa: E402
 from inference.body_cap import BodyCapMiddleware  # noqa: E402
 from inference.refused_keys import RefusedKeyMiddleware  # noqa: E402
 from inference.web.consumers import StatusConsumer  # noqa: E402
@@ -64,7 +66,11 @@ async def by_route(scope, receive, send):
 django_asgi_app = BodyCapMiddleware(
     RefusedKeyMiddleware(by_route),
     max_bytes=settings.ORCHARD_MAX_BODY_BYTES,
-    route_max_bytes={reverse("v1-embeddings"): settings.ORCHARD_MAX_EMBEDDINGS_BODY_BYTES},
+    route_max_bytes={
+        reverse("v1-embeddings"): settings.ORCHARD_MAX_EMBEDDINGS_BODY_BYTES,
+        # Uploads: the file limit (ORCHARD_FILE_MAX_BYTES) and the multipart around it.
+        reverse("v1-files"): upload_body_cap(),
+    },
 )
 
 
@@ -87,3 +93,8 @@ if settings.ORCHARD_PULL_RUNNER:
     from inference.services.pulls import start_pull_runner
 
     start_pull_runner()
+
+if settings.ORCHARD_BATCH_RUNNER:
+    from inference.batches.runner import start_batch_runner
+
+    start_batch_runner()

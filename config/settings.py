@@ -277,6 +277,23 @@ ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM = env_int(
 if ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM < 0:
     raise ImproperlyConfigured("ORCHARD_RESPONSE_STORAGE_BYTES_PER_TEAM must be 0 or more.")
 
+# Files and batches (/v1/files, /v1/batches: inference/batches/). Uploads and batch output files
+# are kept under ORCHARD_FILES_DIR; a file may be at most ORCHARD_FILE_MAX_BYTES, a team's files
+# together at most ORCHARD_FILE_STORAGE_BYTES_PER_TEAM (output files included), and a batch at
+# most ORCHARD_BATCH_MAX_LINES requests. A batch's lines run in the flex tier, at most
+# ORCHARD_BATCH_CONCURRENCY at once per batch (0: the model's max_num_seqs).
+ORCHARD_FILES_DIR = ORCHARD_HOME / "files"
+ORCHARD_FILE_MAX_BYTES = env_bytes("ORCHARD_FILE_MAX_BYTES", 200 << 20)
+ORCHARD_FILE_STORAGE_BYTES_PER_TEAM = env_bytes("ORCHARD_FILE_STORAGE_BYTES_PER_TEAM", 2 << 30)
+ORCHARD_BATCH_MAX_LINES = env_int("ORCHARD_BATCH_MAX_LINES", 50_000)
+ORCHARD_BATCH_CONCURRENCY = env_int("ORCHARD_BATCH_CONCURRENCY", 0)
+# Each web process runs batches on a thread of its own (and resumes those a stopped process left).
+ORCHARD_BATCH_RUNNER = env_bool("ORCHARD_BATCH_RUNNER", True)
+if ORCHARD_BATCH_MAX_LINES < 1 or ORCHARD_BATCH_CONCURRENCY < 0:
+    raise ImproperlyConfigured(
+        "ORCHARD_BATCH_MAX_LINES must be at least 1 and ORCHARD_BATCH_CONCURRENCY 0 or more."
+    )
+
 # Spend (accounts/limits/budgets.py, accounts/alerts/, inference/services/prices.py): the one
 # currency prices, costs and money budgets are in (ISO 4217), and the budget alerts.
 ORCHARD_CURRENCY = (env_str("ORCHARD_CURRENCY", "USD") or "").upper()

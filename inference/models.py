@@ -238,6 +238,8 @@ class UsageRecord(models.Model):
     model = models.CharField(max_length=100)
     endpoint = models.CharField(max_length=50)
     service_tier = models.CharField(max_length=10, choices=SERVICE_TIER_CHOICES, default="default")
+    # A line of a batch (/v1/batches): the batch's id; batch work is reported apart.
+    batch_id = models.CharField(max_length=40, blank=True, db_index=True)
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.IN_PROGRESS)
     error_code = models.CharField(max_length=50, blank=True)
     prompt_tokens = models.PositiveIntegerField(default=0)
@@ -283,6 +285,7 @@ class DailyUsage(models.Model):
     api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.PROTECT, related_name="+")
     model = models.CharField(max_length=100)
     service_tier = models.CharField(max_length=10, choices=SERVICE_TIER_CHOICES, default="default")
+    batch = models.BooleanField(default=False)  # the rows of batch lines (UsageRecord.batch_id)
     num_requests = models.PositiveIntegerField(default=0)
     num_completed = models.PositiveIntegerField(default=0)
     num_cancelled = models.PositiveIntegerField(default=0)
@@ -300,8 +303,8 @@ class DailyUsage(models.Model):
         verbose_name_plural = "daily usage"
         constraints = [
             models.UniqueConstraint(
-                fields=["date", "team", "api_key", "model", "service_tier"],
-                name="unique_daily_usage_tier",
+                fields=["date", "team", "api_key", "model", "service_tier", "batch"],
+                name="unique_daily_usage_batch",
             )
         ]
         indexes = [models.Index(fields=["team", "date"])]
@@ -383,6 +386,10 @@ class TeamResponseStorage(models.Model):
     def __str__(self) -> str:
         return f"{self.team_id}: {self.num_bytes} bytes"
 
+
+# Files and batches (/v1/files, /v1/batches), in a module of their own (inference/batch_models.py);
+# imported here so that they are the app's models.
+from inference.batch_models import Batch, BatchLine, StoredFile  # noqa: E402, F401
 
 # A model's price history, in a module of its own (inference/prices.py); imported here so that
 # it is one of the app's models.

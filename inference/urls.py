@@ -3,6 +3,8 @@ from django.urls import path
 from inference.api import chat, completions, costs, embeddings, models, usage
 from inference.api.anthropic import views as anthropic
 from inference.api.responses import views as responses
+from inference.batches import file_views
+from inference.batches import views as batches
 
 urlpatterns = [
     path("models", models.models_list, name="v1-models"),
@@ -21,4 +23,10 @@ urlpatterns = [
         responses.response_input_items,
         name="v1-response-input-items",
     ),
+    path("files", file_views.files, name="v1-files"),
+    path("files/<str:file_id>", file_views.file_detail, name="v1-file"),
+    path("files/<str:file_id>/content", file_views.file_content, name="v1-file-content"),
+    path("batches", batches.batches, name="v1-batches"),
+    path("batches/<str:batch_id>", batches.batch_detail, name="v1-batch"),
+    path("batches/<str:batch_id>/cancel", batches.batch_cancel_view, name="v1-batch-cancel"),
 ]

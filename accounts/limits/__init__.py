@@ -132,12 +132,13 @@ async def admit(
     )
 
 
-async def enter(api_key: ApiKey) -> Admission:
+async def enter(api_key: ApiKey, *, budgets_only: bool = False) -> Admission:
     """Let a request in before its size is known: 1 request (rpm) and 1 parallel slot, no tokens
     (`Admission.reserve` reserves them later). Raises RateLimitExceeded, counting nothing, if
     the rpm window or the parallel slots are full, or the tpm window or a budget has nothing
-    left. Release it like an admission, whatever becomes of the request."""
-    return await get_limiter().enter(api_key)
+    left. Release it like an admission, whatever becomes of the request. `budgets_only`: the
+    key's budgets apply, not its rpm, tpm and parallel slots (a line of a batch)."""
+    return await get_limiter().enter(api_key, budgets_only=budgets_only)
 
 
 async def current_headers(api_key: ApiKey) -> dict[str, str]:

@@ -3,6 +3,7 @@ the backend-independent half of admission (the budgets a key spends, seeding, ca
 Admission)."""
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -307,11 +308,14 @@ class Limiter:
             raise _refusal(limits, verdict, least, rates)
         return self._admission(limits, verdict, admission_id)
 
-    async def enter(self, api_key: ApiKey) -> Admission:
+    async def enter(self, api_key: ApiKey, *, budgets_only: bool = False) -> Admission:
         """Let a request in before its size is known, reserving no tokens: refused (counting
         nothing) when the rpm window or the parallel slots are full, or the tpm window or a
-        budget has nothing left."""
+        budget has nothing left. `budgets_only`: only the budgets apply (a batch's line, which
+        its batch paces instead of the key's windows and slots)."""
         limits = await limits_with_budgets(api_key)
+        if budgets_only:
+            limits = dataclasses.replace(limits, rpm=None, tpm=None, max_parallel=None)
         if limits.unlimited:
             return Admission(headers={}, budgets=limits.budgets)
         rates = _rates(limits, None)

@@ -33,6 +33,23 @@ class ModelNameFilter(admin.SimpleListFilter):
         return queryset.filter(model=self.value()) if self.value() else queryset
 
 
+class BatchFilter(admin.SimpleListFilter):
+    """Lines of batches (/v1/batches) apart from interactive requests."""
+
+    title = "kind"
+    parameter_name = "kind"
+
+    def lookups(self, request, model_admin):
+        return [("batch", "batch lines"), ("interactive", "interactive")]
+
+    def queryset(self, request, queryset):
+        if self.value() == "batch":
+            return queryset.exclude(batch_id="")
+        if self.value() == "interactive":
+            return queryset.filter(batch_id="")
+        return queryset
+
+
 @admin.register(UsageRecord)
 class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
     # Every column fits a 1366-pixel screen beside the filters (a browser test measures it);
@@ -52,6 +69,7 @@ class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
     list_filter = [
         "status",
         "service_tier",
+        BatchFilter,
         ModelNameFilter,
         ("team", VisibleTeamFilter),
         ("started_at", admin.DateFieldListFilter),
@@ -59,7 +77,8 @@ class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
     list_select_related = ["team", "api_key", "user"]
     search_fields = ["request_id"]  # get_search_results below decides how
     search_help_text = (
-        "Exact request id, key prefix as shown (sk-orch-XXXXXXXX), team name or model name."
+        "Exact request id, batch id, key prefix as shown (sk-orch-XXXXXXXX), team name or "
+        "model name."
     )
     paginator = CappedCountPaginator
     show_full_result_count = False
@@ -99,7 +118,8 @@ class UsageRecordAdmin(WideListMixin, KeySearchMixin, ReadOnlyAdmin):
             return queryset, False
         if term.startswith(keys.KEY_PREFIX):
             return queryset.filter(api_key__prefix=keys.lookup_prefix(term)), False
-        return queryset.filter(Q(request_id=term) | Q(team__name=term) | Q(model=term)), False
+        exact = Q(request_id=term) | Q(batch_id=term) | Q(team__name=term) | Q(model=term)
+        return queryset.filter(exact), False
 
     def get_urls(self):
         totals = path(
@@ -156,6 +176,7 @@ class DailyUsageAdmin(WideListMixin, ReadOnlyAdmin):
         "key",
         "model",
         "service_tier",
+        "batch",
         "requests",
         "prompt_tokens",
         "cached_tokens",
@@ -167,6 +188,7 @@ class DailyUsageAdmin(WideListMixin, ReadOnlyAdmin):
         ("team", VisibleTeamFilter),
         ModelNameFilter,
         "service_tier",
+        "batch",
     ]
     list_select_related = ["team", "api_key", "api_key__user"]
 

@@ -15,7 +15,7 @@ from inference.api import openai_format as fmt
 from inference.api.common import intake_for, json_response, read_body, streaming_response
 from inference.api.serializers import ChatCompletionSerializer, MessageError, normalize_messages
 from inference.errors import APIError
-from inference.services.generation import GenerationCall, generation_start
+from inference.services.generation import Generation, GenerationCall, generation_start
 from inference.services.structured import extension_grammar, response_format_grammar
 
 # Body fields that are SamplingParams fields of the same name.
@@ -134,12 +134,21 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
             include_usage=bool((data.get("stream_options") or {}).get("include_usage")),
         )
         return streaming_response(chunks, generation.headers)
+    body = await chat_completion_object(
+        generation, data, completion_id=completion_id, created=created
+    )
+    return json_response(body, generation.headers)
+
+
+async def chat_completion_object(
+    generation: Generation, data: dict[str, Any], *, completion_id: str, created: int
+) -> dict[str, Any]:
+    """The whole chat.completion of a generation not streamed (a response, a batch's line)."""
     choices = await fmt.aggregate(generation)
-    body = fmt.chat_completion_body(
+    return fmt.chat_completion_body(
         generation,
         choices,
         completion_id=completion_id,
         created=created,
         want_logprobs=bool(data.get("logprobs")),
     )
-    return json_response(body, generation.headers)

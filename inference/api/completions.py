@@ -16,7 +16,7 @@ from inference.api.chat import SAMPLING_FIELDS
 from inference.api.common import intake_for, json_response, read_body, streaming_response
 from inference.api.serializers import CompletionSerializer
 from inference.errors import APIError
-from inference.services.generation import GenerationCall, generation_start
+from inference.services.generation import Generation, GenerationCall, generation_start
 from inference.services.structured import extension_grammar
 
 # OpenAI's default for this endpoint; chat defaults to the rest of the context.
@@ -68,22 +68,30 @@ async def completions(request: HttpRequest) -> HttpResponse:
         generation = await generation_start(intake=intake, call=call)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    want_logprobs = data.get("logprobs") is not None
     if data.get("stream"):
         chunks = fmt.completion_chunks(
             generation,
             completion_id=completion_id,
             created=created,
             include_usage=bool((data.get("stream_options") or {}).get("include_usage")),
-            want_logprobs=want_logprobs,
+            want_logprobs=data.get("logprobs") is not None,
         )
         return streaming_response(chunks, generation.headers)
+    body = await text_completion_object(
+        generation, data, completion_id=completion_id, created=created
+    )
+    return json_response(body, generation.headers)
+
+
+async def text_completion_object(
+    generation: Generation, data: dict[str, Any], *, completion_id: str, created: int
+) -> dict[str, Any]:
+    """The whole text_completion of a generation not streamed (a response, a batch's line)."""
     choices = await fmt.aggregate(generation)
-    body = fmt.text_completion_body(
+    return fmt.text_completion_body(
         generation,
         choices,
         completion_id=completion_id,
         created=created,
-        want_logprobs=want_logprobs,
+        want_logprobs=data.get("logprobs") is not None,
     )
-    return json_response(body, generation.headers)

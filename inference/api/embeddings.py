@@ -14,6 +14,7 @@ from rest_framework import serializers
 
 from inference.api.common import intake_for, json_response, read_body
 from inference.api.serializers import IntField, StrictCharField, _is_int
+from inference.services.admission import Intake
 from inference.services.embeddings import embeddings_create
 
 
@@ -54,12 +55,21 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 async def embeddings(request: HttpRequest) -> HttpResponse:
     async with intake_for(request, "embeddings") as intake:
         data, _ = await intake.in_thread(read_body, request, EmbeddingsSerializer)
-        result = await embeddings_create(
-            intake=intake,
-            model=data["model"],
-            inputs=data["input"],
-            dimensions=data.get("dimensions"),
-        )
+        body, headers = await embeddings_object(intake, data)
+    return json_response(body, headers)
+
+
+async def embeddings_object(
+    intake: Intake, data: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The list of embeddings a validated body asks for (a response, a batch's line), and the
+    response's headers."""
+    result = await embeddings_create(
+        intake=intake,
+        model=data["model"],
+        inputs=data["input"],
+        dimensions=data.get("dimensions"),
+    )
     encoding = data.get("encoding_format") or "float"
     body = {
         "object": "list",
@@ -70,4 +80,4 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
         "model": result.model,
         "usage": {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens},
     }
-    return json_response(body, result.headers)
+    return body, result.headers

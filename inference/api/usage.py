@@ -3,10 +3,12 @@ like OpenAI's organization usage API (daily buckets of results, `group_by`, curs
 
 Who may read: a signed-in session of a team owner or a superuser (their teams), or an API key
 marked `reads_usage` (its own team). `project_id` is the team; `api_key_id` a key's prefix;
-`user_id` a member's username; `service_tier` the tier requests were served in; each result
-also says what its requests cost (`cost`, Orchard's own field). Read from the daily roll-ups, so
-a year of a busy team is cheap. The costs endpoint (inference/api/costs.py) shares the
-authorization and the paging.
+`user_id` a member's username; `service_tier` the tier requests were served in; `batch` whether
+they were lines of batches (/v1/batches), as a filter (`batch=true|false`, both when absent) and
+a grouping, as in OpenAI's; each result also says what its requests cost (`cost`, Orchard's own
+field). Read from the daily roll-ups, so a year of a busy team is cheap. The costs endpoint
+(inference/api/costs.py) shares the authorization and the paging; like OpenAI's, it has no
+`batch` parameter.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ GROUP_FIELDS = {
     "user_id": "member",
     "project_id": "team",
     "service_tier": "tier",
+    "batch": "batch",
 }
 
 
@@ -67,6 +70,7 @@ class UsageQuery(serializers.Serializer):
     api_key_ids = serializers.ListField(child=serializers.CharField(max_length=40), required=False)
     user_ids = serializers.ListField(child=serializers.CharField(max_length=150), required=False)
     project_ids = serializers.ListField(child=serializers.IntegerField(), required=False)
+    batch = serializers.BooleanField(required=False)  # absent: batch and interactive alike
     limit = serializers.IntegerField(min_value=1, max_value=31, required=False, default=7)
     page = serializers.DateField(required=False)
 
@@ -132,6 +136,8 @@ class UsageCompletions(APIView):
             rows = rows.filter(api_key__prefix__in=q["api_key_ids"])
         if q.get("user_ids"):
             rows = rows.filter(api_key__user__username__in=q["user_ids"])
+        if "batch" in q:
+            rows = rows.filter(batch=q["batch"])
         groups = ["day", *[GROUP_FIELDS[g] for g in q["group_by"] if GROUP_FIELDS[g] != "team"]]
         by_team = "project_id" in q["group_by"]
         results: dict[datetime.date, list[dict]] = {day: [] for day in page_days}
@@ -193,7 +199,7 @@ def _result(row: dict, group_by: list[str], team: Team | None) -> dict:
         "api_key_id": row.get("key") if "api_key_id" in group_by else None,
         "model": row.get("model") if "model" in group_by else None,
         "service_tier": row.get("tier") if "service_tier" in group_by else None,
-        "batch": None,
+        "batch": row.get("batch") if "batch" in group_by else None,
         # Orchard's own: what these requests cost (the costs endpoint has it by line item).
         "cost": money_amount(row["cost"]),
     }

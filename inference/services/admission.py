@@ -61,12 +61,19 @@ class Intake:
     """A request let in by its key's limits, being prepared (see the module docstring)."""
 
     def __init__(
-        self, *, api_key: ApiKey, request_id: str, endpoint: str, admission: limits.Admission
+        self,
+        *,
+        api_key: ApiKey,
+        request_id: str,
+        endpoint: str,
+        admission: limits.Admission,
+        batch_id: str = "",
     ) -> None:
         self.api_key = api_key
         self.request_id = request_id
         self.endpoint = endpoint
         self.admission = admission
+        self.batch_id = batch_id  # a batch line's batch (its usage row is marked with it)
         self.model = ""  # once known, for refusals
         self.price: Price = FREE  # the model's, when it is found: what the request is billed at
         self._work: set[asyncio.Future] = set()
@@ -139,6 +146,7 @@ class Intake:
             self.admission,
             service_tier,
             price=self.price,
+            batch_id=self.batch_id,
         )
         return self._settled_by
 
@@ -183,6 +191,29 @@ async def request_intake(
         limits.enter(api_key), api_key=api_key, model="", endpoint=endpoint, path=path
     )
     intake = Intake(api_key=api_key, request_id=request_id, endpoint=endpoint, admission=admission)
+    try:
+        yield intake
+    finally:
+        await intake.close()
+
+
+@contextlib.asynccontextmanager
+async def batch_line_intake(
+    *, api_key: ApiKey, request_id: str, endpoint: str, batch_id: str
+) -> AsyncIterator[Intake]:
+    """`request_intake` for a line of a batch: the key's budgets apply (a 429 when one has run
+    out), not its rpm, tpm or parallel slots, which are for interactive traffic (the batch
+    runner paces its lines); the usage row is marked with `batch_id`."""
+    admission = await _limited(
+        limits.enter(api_key, budgets_only=True), api_key=api_key, model="", endpoint=endpoint
+    )
+    intake = Intake(
+        api_key=api_key,
+        request_id=request_id,
+        endpoint=endpoint,
+        admission=admission,
+        batch_id=batch_id,
+    )
     try:
         yield intake
     finally:

@@ -12,14 +12,34 @@ from engine import EngineClient, ModelSpec
 
 logger = logging.getLogger(__name__)
 _client: EngineClient | None = None
-# Called at process exit once the engines have stopped (`after_engines_stop`).
+# Called at process exit once the engines have stopped (`after_engines_stop`), and before they
+# stop (`before_engines_stop`).
 _after_stop: list[Callable[[], None]] = []
+_before_stop: list[Callable[[], None]] = []
 
 
 def after_engines_stop(callback: Callable[[], None]) -> None:
     """Run `callback` at process exit, after the engine client has stopped (its threads
     joined): e.g. finishing the usage rows of requests the shutdown cut off."""
     _after_stop.append(callback)
+
+
+def before_engines_stop(callback: Callable[[], None]) -> None:
+    """Run `callback` at process exit, before the engine client stops: e.g. stopping the batch
+    runner, whose lines would otherwise fail as the engines go away. (A process that never made
+    its engine client runs it at exit all the same.)"""
+    if not _before_stop:
+        atexit.register(_stopping)
+    _before_stop.append(callback)
+
+
+def _stopping() -> None:
+    while _before_stop:
+        callback = _before_stop.pop()
+        try:
+            callback()
+        except Exception:
+            logger.exception("a before-stop callback failed")
 
 
 def get_engine_client() -> EngineClient:
@@ -40,6 +60,7 @@ def get_engine_client() -> EngineClient:
         # (atexit runs the last registered first).
         atexit.register(_stopped)
         atexit.register(_client.close, 10)
+        atexit.register(_stopping)  # registered last: runs first
     return _client
 
 

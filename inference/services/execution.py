@@ -194,6 +194,10 @@ class Execution:
     def usage_row_id(self) -> int | None:
         return self.settlement.usage_row_id
 
+    @property
+    def request_id(self) -> str:
+        return self.settlement.request_id
+
     def counts(self) -> tuple[int, int, int]:
         """The prompt, cached and completion tokens so far (for the running-now page)."""
         usage = self.settlement.usage

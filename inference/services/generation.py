@@ -185,7 +185,9 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
     APIError for anything the caller can fix or should retry; nothing is reserved or left open
     when it does (the intake gives its slot back)."""
     api_key, request_id = intake.api_key, intake.request_id
-    service = service_class(api_key=api_key, accepted=call.service_tiers)
+    service = service_class(
+        api_key=api_key, accepted=call.service_tiers, batch=bool(intake.batch_id)
+    )
     entry = await intake.model_entry(name=call.model, kind=ModelEntry.Kind.CHAT)
     info = await _serving_model(entry)
     sampling, size_limit = _sampling(call, entry, key_ceiling=api_key.max_output_tokens)

@@ -1,6 +1,7 @@
 """Usage reports for the web pages and the usage and costs APIs, read from the daily roll-ups
-(`DailyUsage`: one row per day × team × key × model × service tier, with their tokens and cost),
-never from the per-request rows, so they stay fast however many requests there were."""
+(`DailyUsage`: one row per day × team × key × model × service tier × batch or interactive, with
+their tokens and cost), never from the per-request rows, so they stay fast however many requests
+there were."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ GROUPS = {
     "key": "api_key__prefix",
     "member": "api_key__user__username",
     "tier": "service_tier",
+    "batch": "batch",  # True: lines of batches (/v1/batches), False: interactive requests
 }
 SUMS = {
     "requests": Sum("num_requests"),
@@ -38,6 +40,7 @@ class Report:
     by_day: list[tuple[datetime.date, int]] = field(default_factory=list)
     by_model: list[tuple[str, int, int]] = field(default_factory=list)  # (model, tokens, cost)
     by_tier: list[tuple[str, int, int]] = field(default_factory=list)
+    by_batch: list[tuple[bool, int, int]] = field(default_factory=list)  # interactive first
 
 
 def daily_rows(
@@ -96,4 +99,5 @@ def report(rows: QuerySet[DailyUsage], groups: list[str]) -> Report:
     by_day = [(r["day"], r["total_tokens"]) for r in grouped(rows, ["day"])]
     by_model = [(r["model"], r["total_tokens"], r["cost"]) for r in grouped(rows, ["model"])]
     by_tier = [(r["tier"], r["total_tokens"], r["cost"]) for r in grouped(rows, ["tier"])]
-    return Report(grouped(rows, groups), totals(rows), sorted(by_day), by_model, by_tier)
+    by_batch = [(r["batch"], r["total_tokens"], r["cost"]) for r in grouped(rows, ["batch"])]
+    return Report(grouped(rows, groups), totals(rows), sorted(by_day), by_model, by_tier, by_batch)

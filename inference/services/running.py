@@ -51,6 +51,9 @@ class Running(Protocol):
     @property
     def usage_row_id(self) -> int | None: ...
 
+    @property
+    def request_id(self) -> str: ...
+
     def counts(self) -> Counts: ...
 
     async def cancel(self) -> None: ...
@@ -84,6 +87,19 @@ def untrack(execution: Running) -> None:
     loop = entry[1]
     if not any(other is loop for _, other in _running.values()) and loop in _wake:
         _wake[loop].set()  # the watcher ends now, not a tick later
+
+
+async def running_cancel(*, request_ids: Collection[str]) -> int:
+    """Stop the executions of `request_ids` running on this event loop, as an administrator's
+    cancel does (their replies end as cancelled; a batch's runner stopping its lines). Returns
+    how many it stopped."""
+    loop = asyncio.get_running_loop()
+    found = [
+        ex for ex, lp in list(_running.values()) if lp is loop and ex.request_id in request_ids
+    ]
+    for execution in found:
+        await execution.cancel()
+    return len(found)
 
 
 async def _watch(loop: asyncio.AbstractEventLoop) -> None:

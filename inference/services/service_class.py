@@ -20,6 +20,8 @@ from inference.services.tenants import tenant_of
 
 # What a request that names no tier accepts (OpenAI's "auto"): default, else what the key has.
 AUTO_TIERS = ("default", "flex", "priority")
+# The tier every line of a batch runs in (/v1/batches), the lowest.
+BATCH_TIER = "flex"
 ERROR_TIER_NOT_ALLOWED = (
     "This API key may not use service_tier {requested}; it may use {allowed} (an administrator "
     "grants the others)."
@@ -42,12 +44,18 @@ def service_tier_resolve(*, allowed: Sequence[str], accepted: Sequence[str]) -> 
     )
 
 
-def service_class(*, api_key: ApiKey, accepted: Sequence[str]) -> ServiceClass:
+def service_class(
+    *, api_key: ApiKey, accepted: Sequence[str], batch: bool = False
+) -> ServiceClass:
     """The service class of a request by `api_key` that accepts the `accepted` tiers (the key's
-    team is loaded with it: accounts.authentication)."""
+    team is loaded with it: accounts.authentication). A line of a batch (`batch`) is served in
+    BATCH_TIER whatever it asks for: batches use what interactive traffic leaves."""
+    tier = BATCH_TIER
+    if not batch:
+        tier = service_tier_resolve(allowed=api_key.service_tiers, accepted=accepted)
     return ServiceClass(
         tenant=tenant_of(api_key.team_id),
         weight=float(api_key.team.weight),
         principal=f"key:{api_key.pk}",
-        tier=service_tier_resolve(allowed=api_key.service_tiers, accepted=accepted),
+        tier=tier,
     )

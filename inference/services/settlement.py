@@ -72,6 +72,7 @@ class Settlement:
     admission: limits.Admission
     service_tier: str = DEFAULT_TIER  # the tier the request is served in, on its usage row
     price: Price = FREE  # what it is billed at: its model's price when it was admitted
+    batch_id: str = ""  # a batch line's: its batch (usage rows of batches are reported apart)
     usage: Usage = field(default_factory=Usage)
     _usage_id: int | None = None
     _settled: bool = False
@@ -105,6 +106,7 @@ class Settlement:
                 endpoint=self.endpoint,
                 reserved_tokens=self.admission.granted_tokens,
                 service_tier=self.service_tier,
+                batch_id=self.batch_id,
             )
         )
         try:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import F, QuerySet, Sum
+from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from accounts.limits import PARALLEL_LEASE_SECONDS
@@ -63,6 +63,7 @@ def usage_open(
     endpoint: str,
     reserved_tokens: int = 0,
     service_tier: str = DEFAULT_TIER,
+    batch_id: str = "",
 ) -> UsageRecord:
     return _record(
         request_id=request_id,
@@ -71,6 +72,7 @@ def usage_open(
         endpoint=endpoint,
         reserved_tokens=reserved_tokens,
         service_tier=service_tier,
+        batch_id=batch_id,
         started_at=timezone.now(),
     )
 
@@ -200,6 +202,7 @@ def _roll_up(record: UsageRecord, *, sign: int) -> None:
         api_key_id=record.api_key_id,
         model=record.model,
         service_tier=record.service_tier,
+        batch=bool(record.batch_id),
     )
     counter = _STATUS_COUNTERS[record.status]
     DailyUsage.objects.filter(pk=daily.pk).update(
@@ -217,6 +220,20 @@ def _roll_up(record: UsageRecord, *, sign: int) -> None:
         api_key_monthly_usage_add(
             api_key_id=record.api_key_id, month=month_start(day), tokens=sign * tokens
         )
+
+
+@transaction.atomic
+def usage_discard(*, request_id: str) -> bool:
+    """Remove a request's row, and its roll-up if it was finished: a run whose answer was lost
+    and that runs again under the same request id (a batch's line after its runner stopped), so
+    that it is counted and billed once. False when there was no row."""
+    record = UsageRecord.objects.select_for_update().filter(request_id=request_id).first()
+    if record is None:
+        return False
+    if record.status != UsageRecord.Status.IN_PROGRESS:
+        _roll_up(record, sign=-1)
+    record.delete()
+    return True
 
 
 def usage_close_stale(*, older_than: datetime.timedelta = USAGE_STALE_AFTER) -> int:
@@ -267,13 +284,18 @@ def daily_usage_visible_to(*, user: AbstractBaseUser) -> QuerySet[DailyUsage]:
     return DailyUsage.objects.filter(team__in=teams_visible_to(user=user))
 
 
+_COST = F("input_cost") + F("cached_input_cost") + F("output_cost")
 _TOTALS = {
+    # The part that lines of batches (/v1/batches) made, shown apart. First: once the sums
+    # below are annotated, "num_requests" names the sum, not the roll-up's field.
+    "batch_requests": Sum("num_requests", filter=Q(batch=True), default=0),
+    "batch_cost": Sum(_COST, filter=Q(batch=True), default=0),
     "num_requests": Sum("num_requests"),
     "num_rejected": Sum("num_rejected"),
     "prompt_tokens": Sum("prompt_tokens"),
     "cached_tokens": Sum("cached_tokens"),
     "completion_tokens": Sum("completion_tokens"),
-    "cost": Sum(F("input_cost") + F("cached_input_cost") + F("output_cost")),
+    "cost": Sum(_COST),
 }
 
 
@@ -286,7 +308,8 @@ def usage_totals(
     api_keys: QuerySet[ApiKey] | None,
 ) -> dict[str, list[dict] | None]:
     """Per-team and per-key totals over [since, until] from the daily roll-ups (never from the
-    rows, which may number millions), for the `teams` and the `api_keys` a reader may see; None
+    rows, which may number millions), with the batch lines' part of them apart
+    (`batch_requests`, `batch_cost`), for the `teams` and the `api_keys` a reader may see; None
     leaves that table out (None in the result)."""
     period = daily.filter(date__gte=since, date__lte=until)
     by_team = by_key = None

@@ -51,6 +51,7 @@ def report_rows(rows: list[dict]) -> str:
                 html.escape(str(row["key"])),
                 html.escape(str(row["member"])),
                 html.escape(str(row["tier"])),
+                "yes" if row["batch"] else "no",
                 int(row["requests"]),
                 int(row["prompt_tokens"]),
                 int(row["cached_tokens"]),
@@ -65,7 +66,7 @@ def report_rows(rows: list[dict]) -> str:
 
 _ROW = (
     "<tr><td>{}</td><td>{}</td><td><code>{}…</code></td><td>{}</td><td>{}</td><td>{}</td>"
-    "<td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"
+    "<td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"
 )
 
 

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from inference.web import playground, views
+from inference.web import batches, playground, views
 
 urlpatterns = [
     path("", views.home, name="web-home"),
@@ -17,6 +17,9 @@ urlpatterns = [
     path("keys/", views.keys, name="web-keys"),
     path("usage/", views.usage, name="web-usage"),
     path("models/", views.models_page, name="web-models"),
+    path("batches/", batches.batches_page, name="web-batches"),
+    path("batches/files/<str:file_id>/", batches.batch_file_download, name="web-batch-file"),
+    path("batches/<str:batch_id>/cancel/", batches.batch_cancel_page, name="web-batch-cancel"),
     path("playground/", playground.playground, name="web-playground"),
     path("playground/key/", playground.playground_key, name="web-playground-key"),
     path("playground/key/end/", playground.playground_key_end, name="web-playground-key-end"),

@@ -41,7 +41,7 @@ from inference.services.catalog import model_catalog
 from inference.services.registry import models_for_key, models_for_user
 from inference.services.spend import member_budget_uses
 
-REPORT_GROUPS = ["day", "model", "key", "member", "tier"]
+REPORT_GROUPS = ["day", "model", "key", "member", "tier", "batch"]
 REPORT_SUMS = ["requests", "prompt_tokens", "cached_tokens", "completion_tokens"]
 EARLIEST, LATEST = datetime.date(2000, 1, 1), datetime.date(9000, 1, 1)  # what a range may span
 
@@ -179,6 +179,7 @@ def usage(request: HttpRequest) -> HttpResponse:
         "by_day": reports.grouped(rows, ["day"]),
         "by_model": reports.grouped(rows, ["model"]),
         "by_tier": reports.grouped(rows, ["tier"]),
+        "by_batch": reports.grouped(rows, ["batch"]),
         "totals": reports.totals(rows),
         "chart": _bars(_every_day(reports.report(rows, ["day"]).by_day, since, until)),
     }
@@ -254,7 +255,10 @@ def team_reports(request: HttpRequest) -> HttpResponse:
     today = timezone.now().date()
     month = reports.daily_rows(since=today.replace(day=1), until=today, teams=teams)
     totals = reports.totals_by_team(month)
-    rows = [{"team": team, "month": totals.get(team.pk)} for team in teams]
+    batch = reports.totals_by_team(month.filter(batch=True))
+    rows = [
+        {"team": team, "month": totals.get(team.pk), "batch": batch.get(team.pk)} for team in teams
+    ]
     return render(request, "web/teams.html", {"rows": rows, "month": today.replace(day=1)})
 
 
@@ -296,8 +300,11 @@ def _csv(team: Team, since, until, result: reports.Report) -> HttpResponse:
     # The cost exactly (a decimal of the currency, to the nano-unit), and its currency.
     writer.writerow([*columns, "cost", "currency"])
     money = [currency()]
+    batch_at = columns.index("batch")
     for row in result.rows:
-        writer.writerow([*[row[c] for c in columns], from_nanos(row["cost"]), *money])
+        values = [row[c] for c in columns]
+        values[batch_at] = "true" if values[batch_at] else "false"  # as the usage API writes it
+        writer.writerow([*values, from_nanos(row["cost"]), *money])
     totals = result.totals
     blanks = [""] * (len(REPORT_GROUPS) - 1)
     sums = [totals[c] for c in columns[len(REPORT_GROUPS) :]]

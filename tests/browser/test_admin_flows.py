@@ -15,6 +15,7 @@ from django.conf import settings
 
 from accounts.models import ApiKey, Membership, Team
 from accounts.services import api_key_create, team_membership_ensure
+from inference.batch_models import Batch
 from inference.models import UsageRecord
 from inference.services.output import FAILURE_MESSAGES
 from inference.services.registry import model_register
@@ -147,6 +148,20 @@ def test_the_member_and_admin_pages_pass_axe(browser, live_server_url, team, dja
         started_at=api_key.created_at,
         prompt_tokens=1234,
     )
+    batch = Batch.objects.create(
+        id="batch_axe",
+        team=team,
+        api_key=api_key,
+        endpoint="/v1/chat/completions",
+        model=MODEL,
+        status=Batch.Status.COMPLETED,  # ended: the server's batch runner leaves it alone
+        input_file_name="file-axe",
+        num_total=10,
+        num_completed=4,
+        created_at=api_key.created_at,
+        completed_at=api_key.created_at,
+        expires_at=api_key.created_at,
+    )
     # axe is injected as an inline script, which the pages' CSP (rightly) refuses.
     context = browser.new_context(viewport={"width": 1366, "height": 768}, bypass_csp=True)
     page = context.new_page()
@@ -171,6 +186,9 @@ def test_the_member_and_admin_pages_pass_axe(browser, live_server_url, team, dja
         f"/admin/accounts/team/{team.pk}/change/",
         "/admin/accounts/team/invite/",
         "/admin/inference/usagerecord/running/",
+        "/batches/",
+        "/admin/inference/batch/",
+        f"/admin/inference/batch/{batch.pk}/change/",
     ]
     found = {}
     for index, path in enumerate(pages):

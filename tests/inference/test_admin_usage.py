@@ -1,16 +1,21 @@
 """The admin's usage totals ("Totals per team and key") and the index's "Today" panel under the
 lists' own permissions, for staff who are not superusers: no usage permission, no totals; the
 team table only with the team list's permission and only its teams; the key table only with the
-key list's permission and only its keys (a member sees their own, an owner their team's)."""
+key list's permission and only its keys (a member sees their own, an owner their team's); lines
+of batches apart from interactive requests in the totals and the usage lists."""
+
+import datetime
+from decimal import Decimal
 
 import pytest
 from django.contrib.auth.models import Permission
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from accounts.models import Membership
-from inference.models import UsageRecord
-from inference.services.usage import usage_finish
+from inference.models import ModelEntry, ModelPrice, UsageRecord
+from inference.services.usage import usage_finish, usage_open
 from tests.factories import (
     ApiKeyFactory,
     MembershipFactory,
@@ -103,3 +108,46 @@ def test_superusers_see_every_team_and_key(world):
     page = totals_for(StaffUserFactory())
     assert {row["team__name"] for row in page.context["teams"]} == {"alpha-team", "beta-team"}
     assert len(page.context["keys"]) == 3
+
+
+def test_batch_lines_are_shown_apart_in_the_totals_and_the_lists(world):
+    ModelPrice.objects.create(
+        model=ModelEntry.objects.create(name="m-batch", path="/m"),
+        effective_from=timezone.now() - datetime.timedelta(days=1),
+        input_per_million=Decimal("1"),
+        output_per_million=Decimal("1"),
+    )
+    record = usage_open(
+        request_id="batch-line-1",
+        api_key=world["keys"]["owner"],
+        model="m-batch",
+        endpoint="/v1/chat/completions",
+        batch_id="batch_xyz",
+    )
+    usage_finish(record_id=record.pk, status="completed", prompt_tokens=10**6)
+    page = totals_for(world["owner"])
+    [team] = page.context["teams"]
+    assert (team["num_requests"], team["batch_requests"], team["batch_cost"]) == (3, 1, 10**9)
+    keys = {row["api_key__name"]: row for row in page.context["keys"]}
+    assert (keys["olga-key"]["num_requests"], keys["olga-key"]["batch_requests"]) == (2, 1)
+    assert (keys["mike-key"]["batch_requests"], keys["mike-key"]["batch_cost"]) == (0, 0)
+    team_table = page.content.decode().split('id="team-totals"')[1].split("</table>")[0]
+    assert "<th>Batch requests</th><th>Batch cost</th>" in team_table
+    assert "<td>1.00 USD</td><td>1</td><td>1.00 USD</td></tr>" in team_table
+
+    admin = Client()
+    admin.force_login(StaffUserFactory())
+    usage_list = reverse("admin:inference_usagerecord_changelist")
+    interactive = sorted(
+        set(UsageRecord.objects.values_list("request_id", flat=True)) - {"batch-line-1"}
+    )
+    assert len(interactive) == 3  # the world's
+    for query, expected in [
+        ({"kind": "batch"}, ["batch-line-1"]),
+        ({"q": "batch_xyz"}, ["batch-line-1"]),
+        ({"kind": "interactive"}, interactive),
+    ]:
+        listed = admin.get(usage_list, query).context["cl"].result_list
+        assert sorted(r.request_id for r in listed) == expected, query
+    daily = admin.get(reverse("admin:inference_dailyusage_changelist"), {"batch__exact": "1"})
+    assert [(r.model, r.batch) for r in daily.context["cl"].result_list] == [("m-batch", True)]

@@ -37,6 +37,7 @@ from inference.api.responses import items as input_items
 from inference.api.responses.events import ResponseBuilder
 from inference.api.responses.serializers import InputItemsQuerySerializer, ResponseCreateSerializer
 from inference.errors import APIError
+from inference.services.admission import Intake
 from inference.services.generation import Generation, GenerationCall
 from inference.services.output import GenerationFailed
 from inference.services.responses import (
@@ -80,7 +81,8 @@ def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _items(data: dict[str, Any]) -> list[dict[str, Any]]:
+def response_items(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The input items of a validated create body."""
     return input_items.input_items(data["input"])
 
 
@@ -208,28 +210,41 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
 @require_POST
 async def responses_create(request: HttpRequest) -> HttpResponse:
     async with intake_for(request, "responses") as intake:
-        data, items = await intake.in_thread(read_body, request, ResponseCreateSerializer, _items)
-        run = await response_start(
-            intake=intake,
-            input_items=items,
-            call_for=functools.partial(_call, data),
-            previous_response_id=data.get("previous_response_id"),
-            truncate=data.get("truncation") == "auto",
-            store=data.get("store") is not False,
+        data, items = await intake.in_thread(
+            read_body, request, ResponseCreateSerializer, response_items
         )
+        created = await response_created(intake, data, items)
+    headers = created.run.generation.headers
+    if data.get("stream"):
+        return sse_response(_stream(created), headers)
+    return json_response(await response_completed(created), headers)
+
+
+async def response_created(intake: Intake, data: dict[str, Any], items: list) -> _Run:
+    """Start the response a validated create body asks for (its input `items` read)."""
+    run = await response_start(
+        intake=intake,
+        input_items=items,
+        call_for=functools.partial(_call, data),
+        previous_response_id=data.get("previous_response_id"),
+        truncate=data.get("truncation") == "auto",
+        store=data.get("store") is not False,
+    )
     builder = ResponseBuilder(
         _response_object(input_items.new_id("resp"), data, run.generation, run.store),
         input_items.template_tools(data.get("tools"))[1],
     )
-    created = _Run(run, builder)
-    headers = run.generation.headers
-    if data.get("stream"):
-        return sse_response(_stream(created), headers)
+    return _Run(run, builder)
+
+
+async def response_completed(created: _Run) -> dict[str, Any]:
+    """The whole response of a create not streamed (a response, a batch's line); a generation
+    that failed is a 500."""
     async for _event in created.events():
         pass
     if created.error:
         raise APIError(500, created.error)
-    return json_response(builder.response, headers)
+    return created.builder.response
 
 
 @csrf_exempt

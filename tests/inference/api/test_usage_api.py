@@ -1,6 +1,7 @@
 """GET /v1/organization/usage/completions over real HTTP: daily buckets shaped like OpenAI's
-organization usage API, grouping, filters and cursor pages; readable by a key marked
-reads_usage (its own team only) and by an owner's session, by nobody else."""
+organization usage API, grouping, filters (batch work apart from interactive) and cursor pages;
+readable by a key marked reads_usage (its own team only) and by an owner's session, by nobody
+else."""
 
 import datetime
 
@@ -11,7 +12,7 @@ from django.utils import timezone
 
 from accounts.models import Membership
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
-from inference.services.usage import usage_record_finished
+from inference.services.usage import usage_finish, usage_open, usage_record_finished
 
 URL = "/v1/organization/usage/completions"
 
@@ -148,3 +149,38 @@ def test_grouping_by_service_tier(usage_world):
     assert today == {"default": 10 + 20, "priority": 3}
     plain = client.get(URL, {"start_time": usage_world["start"]}).json()
     assert [r["service_tier"] for r in plain["data"][-1]["results"]] == [None]
+
+
+def test_batch_work_is_a_filter_and_a_grouping(live_server_url, usage_world):
+    for n, (model, prompt) in enumerate([("m1", 40), ("m2", 2)]):
+        record = usage_open(
+            request_id=f"batch_req_{n}",
+            api_key=usage_world["key"],
+            model=model,
+            endpoint="chat.completions",
+            batch_id="batch_abc",
+        )
+        usage_finish(record_id=record.pk, status="completed", prompt_tokens=prompt)
+    start, reader = usage_world["start"], usage_world["reader"]
+
+    def today(**params):
+        response = get(live_server_url, reader, start_time=start, **params)
+        assert response.status_code == 200, response.text
+        return response.json()["data"][-1]["results"]
+
+    by_batch = {
+        r["batch"]: (r["input_tokens"], r["num_model_requests"]) for r in today(group_by="batch")
+    }
+    assert by_batch == {False: (10 + 20, 2), True: (40 + 2, 2)}
+    both = today(group_by=["model", "batch"])
+    assert {(r["model"], r["batch"]): r["input_tokens"] for r in both} == {
+        ("m1", False): 10,
+        ("m2", False): 20,
+        ("m1", True): 40,
+        ("m2", True): 2,
+    }
+    assert [(r["batch"], r["input_tokens"]) for r in today()] == [(None, 10 + 20 + 40 + 2)]
+    assert [r["input_tokens"] for r in today(batch="true")] == [42]
+    assert [r["input_tokens"] for r in today(batch="false", models="m1")] == [10]
+    bad = get(live_server_url, reader, start_time=start, batch="sometimes")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "batch"

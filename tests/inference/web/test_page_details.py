@@ -10,7 +10,12 @@ from django.contrib.staticfiles import finders
 from django.urls import reverse
 
 from tests.factories import ApiKeyFactory, StaffUserFactory
-from tests.inference.web.test_pages import signed_in, used, world  # noqa: F401  (a fixture)
+from tests.inference.web.test_pages import (  # noqa: F401  (world: a fixture)
+    batch_used,
+    signed_in,
+    used,
+    world,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -28,8 +33,11 @@ def test_the_team_reports_list_is_a_table_of_each_teams_month(world):  # noqa: F
     used(world["keys"]["member"], "m1", 10)
     used(world["keys"]["colleague"], "m1", 5)
     used(world["keys"]["stranger"], "m1", 999)
+    batch_used(world["keys"]["member"], "m1", 6)
     page = signed_in(world["owner"]).get(reverse("web-teams")).content.decode()
-    assert cells(page, "team-list") == [["alpha", "3", "2", "2", "15", "0.00 USD"]]  # unpriced
+    assert cells(page, "team-list") == [
+        ["alpha", "3", "2", "3", "21", "0.00 USD", "6 tokens, 0.00 USD"]  # unpriced
+    ]
     assert f'href="{reverse("web-team-report", args=[world["team"].pk])}"' in page
 
 

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from accounts.models import ApiKey, Membership
 from inference.models import ModelEntry
-from inference.services.usage import usage_record_finished
+from inference.services.usage import usage_finish, usage_open, usage_record_finished
 from tests.factories import ApiKeyFactory, MembershipFactory, TeamFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -49,6 +49,19 @@ def used(api_key, model="m1", prompt=10, days_ago=0, tier="default"):
         prompt_tokens=prompt,
         service_tier=tier,
     )
+    return record
+
+
+def batch_used(api_key, model="m1", prompt=10, batch_id="batch_1"):
+    """A line of a batch, opened and finished as the batch runner does (rolled up as batch)."""
+    record = usage_open(
+        request_id=f"{batch_id}-{api_key.pk}-{model}-{prompt}",
+        api_key=api_key,
+        model=model,
+        endpoint="chat.completions",
+        batch_id=batch_id,
+    )
+    usage_finish(record_id=record.pk, status="completed", prompt_tokens=prompt)
     return record
 
 
@@ -166,43 +179,57 @@ def test_my_usage_shows_my_requests_in_the_range(world):
     used(world["keys"]["member"], "m1", 10)
     used(world["keys"]["member"], "m2", 5, days_ago=3, tier="flex")
     used(world["keys"]["colleague"], "m1", 1000)
+    batch_used(world["keys"]["member"], "m1", 7)
     client = signed_in(world["member"])
     page = client.get(reverse("web-usage")).content.decode()
-    assert "2 requests · 15 prompt tokens" in page
+    assert "3 requests · 22 prompt tokens" in page
     assert "m2" in page and "1000" not in page
     by_tier = page.split('id="usage-by-tier"')[1].split("</table>")[0]
-    assert "<td>default</td><td>1</td><td>10</td>" in by_tier
+    assert "<td>default</td><td>2</td><td>17</td>" in by_tier
     assert "<td>flex</td><td>1</td><td>5</td>" in by_tier
+    by_batch = page.split('id="usage-by-batch"')[1].split("</table>")[0]
+    assert "<td>interactive</td><td>2</td><td>15</td>" in by_batch
+    assert "<td>batch</td><td>1</td><td>7</td>" in by_batch
     today = timezone.now().date().isoformat()
     narrowed = client.get(reverse("web-usage"), {"since": today, "until": today}).content.decode()
-    assert "1 requests · 10 prompt tokens" in narrowed
+    assert "2 requests · 17 prompt tokens" in narrowed
 
 
 def test_team_reports_for_owners_only_and_csv_equals_the_page(world):
     used(world["keys"]["member"], "m1", 10)
     used(world["keys"]["colleague"], "m2", 30, tier="priority")
     used(world["keys"]["stranger"], "m1", 999)
+    batch_used(world["keys"]["colleague"], "m2", 4)
     url = reverse("web-team-report", args=[world["team"].pk])
     assert signed_in(world["member"]).get(url).status_code == 404
     assert signed_in(world["stranger"]).get(url).status_code == 404
     owner = signed_in(world["owner"])
     page = owner.get(url).content.decode()
-    assert "2 requests · 40 prompt tokens" in page and "999" not in page
+    assert "3 requests · 44 prompt tokens" in page and "999" not in page
     tiers = page.split('id="report-tiers"')[1].split("</ul>")[0]
     assert "<li>priority: 30 tokens, 0.00 USD</li>" in tiers  # no price: no cost
-    assert "<li>default: 10 tokens, 0.00 USD</li>" in tiers
+    assert "<li>default: 14 tokens, 0.00 USD</li>" in tiers
+    kinds = page.split('id="report-batch"')[1].split("</ul>")[0]
+    assert "<li>interactive: 40 tokens, 0.00 USD</li><li>batch: 4 tokens, 0.00 USD</li>" in kinds
+    table = page.split('id="report-rows"')[1].split("</table>")[0]
+    assert "<td>default</td><td>yes</td><td>1</td><td>4</td>" in table  # the batch line's row
+    assert "<td>priority</td><td>no</td><td>1</td><td>30</td>" in table
     assert "<svg" in page and "<rect" in page
     filtered = owner.get(url, {"member": "carl"}).content.decode()
-    assert "1 requests · 30 prompt tokens" in filtered
+    assert "2 requests · 34 prompt tokens" in filtered
     rows = list(
         csv.reader(
             io.StringIO(owner.get(url, {"member": "carl", "format": "csv"}).content.decode())
         )
     )
-    assert rows[0][:7] == ["day", "model", "key", "member", "tier", "requests", "prompt_tokens"]
-    assert [r[1] for r in rows[1:-1]] == ["m2"] and rows[1][3] == "carl" and rows[1][6] == "30"
-    assert rows[1][4] == "priority"
-    assert rows[-1][0] == "total" and rows[-1][6] == "30"
+    header = ["day", "model", "key", "member", "tier", "batch", "requests", "prompt_tokens"]
+    assert rows[0][:8] == header
+    assert [r[1] for r in rows[1:-1]] == ["m2", "m2"] and {r[3] for r in rows[1:-1]} == {"carl"}
+    assert sorted((r[4], r[5], r[7]) for r in rows[1:-1]) == [
+        ("default", "true", "4"),
+        ("priority", "false", "30"),
+    ]
+    assert rows[-1][0] == "total" and rows[-1][7] == "34"
     assert b"alpha" in owner.get(reverse("web-teams")).content
 
 
