@@ -44,9 +44,7 @@ def service_tier_resolve(*, allowed: Sequence[str], accepted: Sequence[str]) -> 
     )
 
 
-def service_class(
-    *, api_key: ApiKey, accepted: Sequence[str], batch: bool = False
-) -> ServiceClass:
+def service_class(*, api_key: ApiKey, accepted: Sequence[str], batch: bool = False) -> ServiceClass:
     """The service class of a request by `api_key` that accepts the `accepted` tiers (the key's
     team is loaded with it: accounts.authentication). A line of a batch (`batch`) is served in
     BATCH_TIER whatever it asks for: batches use what interactive traffic leaves."""
