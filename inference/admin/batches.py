@@ -25,6 +25,7 @@ from accounts.selectors import teams_owned_by
 from engine import format_bytes
 from inference.admin.lists import WideListMixin
 from inference.batch_models import Batch, StoredFile
+from inference.batches.file_views import file_attachment
 from inference.batches.files import FileInUse, file_delete, file_open
 from inference.batches.runner import wake_batch_runner
 from inference.batches.selectors import (
@@ -35,7 +36,6 @@ from inference.batches.selectors import (
 )
 from inference.batches.services import batch_cancel
 from inference.errors import APIError
-from inference.web.batches import file_attachment
 
 MESSAGE_CANCELLING = "Cancelling {count} batch(es): what has finished is kept."
 MESSAGE_NOT_CANCELLED = "Not cancelled (ended already, or not of a team you own): {ids}."

@@ -170,7 +170,13 @@ async def file_content(request: HttpRequest, file_id: str) -> HttpResponse:
         handle = await asyncio.to_thread(file_open, stored)
     except FileNotFoundError:  # deleted since it was looked up
         raise _not_found(file_id) from None
-    # Not FileResponse: under ASGI Django reads a synchronous iterator whole before sending it.
+    return file_attachment(stored, handle)
+
+
+def file_attachment(stored: StoredFile, handle: BinaryIO) -> HttpResponse:
+    """`stored`'s bytes from `handle` (closed once sent) as a download named as the file was
+    (this route, and the pages' downloads). Not FileResponse: under ASGI Django reads a
+    synchronous iterator whole before sending it."""
     response = ClosingStreamingResponse(_read(handle), content_type="application/octet-stream")
     response["Content-Length"] = str(stored.num_bytes)
     response["Content-Disposition"] = content_disposition_header(True, stored.filename)

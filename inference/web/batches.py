@@ -9,8 +9,7 @@ keys; a team's owners cancel any of the team's.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any, BinaryIO
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.contrib import messages
@@ -19,11 +18,10 @@ from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
-from django.utils.http import content_disposition_header
 from django.views.decorators.http import require_GET, require_POST
 
-from inference.api.common import ClosingStreamingResponse
-from inference.batch_models import Batch, StoredFile
+from inference.batch_models import Batch
+from inference.batches.file_views import file_attachment
 from inference.batches.files import file_open
 from inference.batches.runner import wake_batch_runner
 from inference.batches.selectors import (
@@ -38,7 +36,6 @@ from inference.batches.services import batch_cancel
 from inference.errors import APIError
 
 BATCHES_PER_PAGE = 50
-DOWNLOAD_CHUNK_BYTES = 1 << 20
 MESSAGE_CANCELLING = "Cancelling {batch_id}: what has finished is kept in its output file."
 KEY_NOT_SHOWN = "a teammate's key"
 
@@ -100,20 +97,3 @@ async def batch_file_download(request: HttpRequest, file_id: str) -> HttpRespons
     except FileNotFoundError:  # deleted since it was looked up
         raise Http404("No such file.") from None
     return file_attachment(stored, handle)
-
-
-def file_attachment(stored: StoredFile, handle: BinaryIO) -> HttpResponse:
-    """`stored`'s bytes from `handle` (closed once sent) as a download named as the file was.
-    Streamed asynchronously: under ASGI Django would read a synchronous iterator whole first."""
-    response = ClosingStreamingResponse(_chunks(handle), content_type="application/octet-stream")
-    response["Content-Length"] = str(stored.num_bytes)
-    response["Content-Disposition"] = content_disposition_header(True, stored.filename)
-    return response
-
-
-async def _chunks(handle: BinaryIO) -> AsyncIterator[bytes]:
-    try:
-        while chunk := await asyncio.to_thread(handle.read, DOWNLOAD_CHUNK_BYTES):
-            yield chunk
-    finally:
-        handle.close()

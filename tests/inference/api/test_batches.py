@@ -39,6 +39,21 @@ def chat_line(custom_id: str, content: str, *, model: str = TINY, max_tokens: in
     }
 
 
+def long_line(custom_id: str, max_tokens: int = 3000) -> dict:
+    """A line that generates all of its `max_tokens` (it runs until something stops it)."""
+    line = chat_line(custom_id, f"Story {custom_id}.", max_tokens=max_tokens)
+    line["body"]["ignore_eos"] = True
+    return line
+
+
+def wait_done(batch_id: str, count: int) -> None:
+    done = BatchLine.objects.filter(batch_id=batch_id, state="done")
+    deadline = time.monotonic() + 60
+    while done.count() < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def upload(client: openai.OpenAI, lines: list, name: str = "input.jsonl") -> str:
     text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
     return client.files.create(file=(name, io.BytesIO(text.encode())), purpose="batch").id
@@ -179,20 +194,13 @@ def test_cancel_stops_the_lines_and_keeps_what_finished(client):
     """Short lines finish; long ones are stopped by the cancel within moments (the engine
     aborts them), billed for what they computed, and reported as cancelled."""
     lines = [chat_line(f"short{i}", f"Hi {i}.", max_tokens=2) for i in range(4)]
-    for i in range(4):
-        line = chat_line(f"long{i}", f"Story {i}.", max_tokens=3000)
-        line["body"]["ignore_eos"] = True
-        lines.append(line)
+    lines += [long_line(f"long{i}") for i in range(4)]
     batch = client.batches.create(
         input_file_id=upload(client, lines),
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )
-    done = BatchLine.objects.filter(batch_id=batch.id, state="done")
-    deadline = time.monotonic() + 60
-    while done.count() < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_done(batch.id, 4)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     asked = time.monotonic()
@@ -218,21 +226,13 @@ def test_cancel_stops_the_lines_and_keeps_what_finished(client):
 
 
 def test_a_batch_past_its_window_expires(client):
-    lines = [chat_line("short", "Hi.", max_tokens=2)]
-    for i in range(3):
-        line = chat_line(f"long{i}", f"Story {i}.", max_tokens=3000)
-        line["body"]["ignore_eos"] = True
-        lines.append(line)
+    lines = [chat_line("short", "Hi.", max_tokens=2)] + [long_line(f"long{i}") for i in range(3)]
     batch = client.batches.create(
         input_file_id=upload(client, lines),
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )
-    done = BatchLine.objects.filter(batch_id=batch.id, state="done")
-    deadline = time.monotonic() + 60
-    while not done.exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_done(batch.id, 1)
     Batch.objects.filter(pk=batch.id).update(expires_at=Batch.objects.get(pk=batch.id).created_at)
     batch = wait_for(client, batch.id, timeout=30)
     assert batch.status == "expired" and batch.expired_at
@@ -323,11 +323,9 @@ def test_a_team_with_many_batches_does_not_hold_back_another_team(
 ):
     """A team's batches run one at a time per runner, so another team's batch starts beside
     them rather than after them (the engine then shares the flex tier between the two)."""
-    long = chat_line("long", "Story.", max_tokens=400)
-    long["body"]["ignore_eos"] = True
     team_a = [
         client.batches.create(
-            input_file_id=upload(client, [{**long, "custom_id": f"{n}-{i}"} for i in range(2)]),
+            input_file_id=upload(client, [long_line(f"{n}-{i}", 400) for i in range(2)]),
             endpoint="/v1/chat/completions",
             completion_window="24h",
         ).id
