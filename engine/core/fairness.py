@@ -61,13 +61,18 @@ class FairShare:
     # (the paper's weights).
     DECODE_COST = 2.0
 
-    def __init__(self, *, max_num_seqs: int, min_tier_share: float = 0.1):
-        if not 0 <= min_tier_share < 1:
-            raise ValueError("min_tier_share must be in [0, 1)")
+    def __init__(
+        self, *, max_num_seqs: int, min_tier_share: float = 0.1, yield_share: float = 0.25
+    ):
+        """`yield_share`: the rows the lowest tier keeps while a higher tier has requests
+        (`Yielding`; 1: all of them, it yields nothing)."""
+        if not 0 <= min_tier_share < 1 or not 0 < yield_share <= 1:
+            raise ValueError("min_tier_share must be in [0, 1), yield_share in (0, 1]")
         self.min_tier_share = min_tier_share
         self.guaranteed_rows = (
             max(1, math.floor(min_tier_share * max_num_seqs)) if min_tier_share else 0
         )
+        self.yielding = Yielding(max(self.guaranteed_rows, math.floor(yield_share * max_num_seqs)))
         self._tenants: dict[str, float] = {}
         self._principals: dict[tuple[str, str], float] = {}
         self._active: Counter[str] = Counter()
@@ -152,6 +157,59 @@ class FairShare:
         if SERVICE_TIERS.index(tier) == 0:
             return False
         return rows_by_tier.get(tier, 0) - rows < self.guaranteed_rows
+
+
+# While a higher tier has requests, the lowest tier (flex: batches' lines) holds at most its
+# `yield_share` of the rows, and keeps to it for YIELD_HOLD_STEPS steps after the higher tiers
+# last had any, so that requests arriving one after another do not make it grow and shrink in
+# between.
+YIELD_HOLD_STEPS = 32
+LOWEST_RANK = len(SERVICE_TIERS) - 1
+
+
+class Yielding:
+    """The lowest tier yields rows to the higher ones while they have work: a step's time grows
+    with its rows (on the CPU nearly in proportion), and a higher tier's first token waits for
+    the step in flight, so a full batch of flex rows (a /v1/batches run) would slow every
+    interactive request several times over although the rows are not needed. While a higher
+    tier has requests the lowest is admitted up to `max_rows` rows, and held to it (preempted:
+    engine/core/scheduler.py); alone, it fills the batch again."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.active = False  # a higher tier has (or just had) requests
+        self._hold = 0
+
+    def step(self, requests: list[Request]) -> bool:
+        """Whether the lowest tier yields this step, given the requests in the engine."""
+        if any(request.spec.service.rank < LOWEST_RANK for request in requests):
+            self._hold = YIELD_HOLD_STEPS
+            self.active = True
+        elif self._hold > 0:
+            self._hold -= 1
+        else:
+            self.active = False
+        return self.active
+
+    def yields(self, request: Request) -> bool:
+        return self.active and request.spec.service.rank == LOWEST_RANK
+
+    def rows(self, requests: list[Request]) -> int:
+        """Rows the yielding requests of `requests` hold."""
+        return sum(len(r.live_sequences()) for r in requests if self.yields(r))
+
+    def over(self, running: list[Request]) -> list[Request]:
+        """Running requests to preempt so that the yielding ones hold at most `max_rows`: the
+        latest arrivals first (the earliest keep going and finish)."""
+        held = self.rows(running)
+        victims = []
+        for request in sorted(running, key=lambda r: -r.arrived_at):
+            if held <= self.max_rows:
+                break
+            if self.yields(request) and request.can_resume:
+                victims.append(request)
+                held -= len(request.live_sequences())
+        return victims
 
 
 def fair_rows(

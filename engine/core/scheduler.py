@@ -36,7 +36,9 @@ arrival order while sequence slots and memory remain.
   they prefill on their return (found in the prefix cache, or recomputed), so their output
   continues token for token. Never while the runner runs ahead. A step that prefills a
   higher tier than every decoding row's pauses their decode (`_pause_lower_tiers`), so the
-  higher tier's first token does not wait for a full batch's decode step.
+  higher tier's first token does not wait for a full batch's decode step. While a higher tier
+  has requests, the lowest tier keeps only its yield share of the rows (`Yielding`, engine/core/
+  fairness.py: admitted up to it, preempted down to it), so the steps stay short.
 """
 
 from __future__ import annotations
@@ -148,8 +150,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         turns = Turns(self) if self.fairness is not None and self.waiting else None
+        if self.fairness is not None:
+            self.fairness.yielding.step([*self.running, *self.waiting])
         if turns is not None and self.allow_preemption:
             self._make_room(output, turns)
+            for victim in self.fairness.yielding.over(self.running):
+                turns.rows.add(victim, -len(victim.live_sequences()))
+                self._preempt(victim, output)
         budget = self.max_num_batched_tokens
         for request in self.running:
             for seq in request.live_sequences():
@@ -211,7 +218,16 @@ class Scheduler:
         if self.hybrid and any(chunk.completes_prompt for chunk in chunks):
             return
         output.decode, output.drafts, output.draft_lengths = [], {}, {}
-        output.prefill = chunks  # lower tiers' chunks come in later steps
+        # The step is theirs alone: their chunks get the step's whole budget, not what a step
+        # beside the decode would have left them (a prompt split over paused and decoding steps
+        # would wait for the decode steps in between).
+        budget = self.max_num_batched_tokens
+        output.prefill = []  # lower tiers' chunks come in later steps
+        for chunk in chunks:
+            whole = self._chunk(chunk.request, budget) if budget > 0 else None
+            chunk = whole if whole is not None and whole.num_tokens > chunk.num_tokens else chunk
+            output.prefill.append(chunk)
+            budget -= chunk.num_tokens
         self._paused = True
 
     def _admit(
@@ -226,10 +242,16 @@ class Scheduler:
         while rows, memory and the step's token budget last; returns the budget left."""
         num_seqs = self.num_running_seqs
         just_preempted = {id(request) for request in output.preempted}
+        yielding = self.fairness.yielding if self.fairness is not None else None
+        yielded = yielding.rows(self.running) if yielding is not None else 0
         while self.waiting and budget > 0:
             request = self.waiting[0] if turns is None else turns.pick(self.waiting)
             if above is not None and request.service.rank >= above:
                 break
+            if yielding is not None and yielding.yields(request):
+                if yielded + len(request.sequences) > yielding.max_rows:
+                    break  # a higher tier has work: the lower ones hold their share only
+                yielded += len(request.sequences)
             if id(request) in just_preempted:
                 break  # its state reaches the prefix cache only when the runner has run
             if num_seqs + len(request.sequences) > self.max_num_seqs:

@@ -175,7 +175,7 @@ def test_preemption_settles_at_the_fair_rows_and_does_not_thrash():
 
 
 def test_a_higher_tier_goes_first_and_preempts_a_lower_one():
-    sched = scheduler(max_num_seqs=8, min_tier_share=0.25)
+    sched = scheduler(max_num_seqs=8, min_tier_share=0.25, yield_share=1.0)
     backlog(sched, "A", 20, tier="flex", max_tokens=1000)
     step(sched)
     assert sched.num_running_seqs == 8
@@ -206,8 +206,12 @@ def test_the_lowest_tier_keeps_its_minimum_share_under_a_steady_higher_load():
     assert 0.15 <= share <= 0.35, share
 
 
+# The preemption tests below take rows for a waiting request only (the lowest tier's yielding
+# to a busy higher tier, which also preempts, is off: yield_share=1.0; its own test follows).
+
+
 def test_a_preempted_request_resumes_with_what_it_generated_and_pays_once():
-    sched = scheduler(max_num_seqs=2, min_tier_share=0)
+    sched = scheduler(max_num_seqs=2, min_tier_share=0, yield_share=1.0)
     fairness = sched.fairness
     victim = request("v", "A", tier="flex", num_prompt=10, max_tokens=20)
     other = request("w", "A", tier="flex", num_prompt=10, max_tokens=20)
@@ -248,7 +252,7 @@ def test_requests_with_several_generated_choices_are_never_preempted():
 
 
 def test_no_preemption_while_the_runner_runs_ahead():
-    sched = scheduler(max_num_seqs=2, min_tier_share=0)
+    sched = scheduler(max_num_seqs=2, min_tier_share=0, yield_share=1.0)
     backlog(sched, "A", 2, tier="flex", max_tokens=50)
     step(sched)
     sched.add(request("p", "B", tier="priority"))
@@ -258,6 +262,31 @@ def test_no_preemption_while_the_runner_runs_ahead():
     sched.allow_preemption = True
     _, plan = step(sched)
     assert len(plan.preempted) == 1
+
+
+def test_the_lowest_tier_yields_rows_while_a_higher_tier_has_work():
+    """A batch's flex rows fill the engine alone; while interactive requests run, flex keeps
+    its yield share (4 of 16 rows here: a step's time follows its rows), and takes the batch
+    back some steps after they have ended."""
+    sched = scheduler(max_num_seqs=16, min_tier_share=0.1, yield_share=0.25)
+    backlog(sched, "A", 40, tier="flex", max_tokens=1000)
+    step(sched)
+    assert sched.num_running_seqs == 16
+    sched.add(request("d1", "B", tier="default", max_tokens=20))
+    _, plan = step(sched)
+    assert len(plan.preempted) == 12 and {r.service.tier for r in plan.preempted} == {"flex"}
+    assert all(not r.sequences[0].output_token_ids or r.resumed_token_ids for r in plan.preempted)
+    for _ in range(10):
+        _, plan = step(sched)
+        flex = [s for s in plan.decode if s.request.service.tier == "flex"]
+        assert len(flex) <= 4 and sum(r.service.tier == "flex" for r in sched.running) == 4
+    while any(r.service.tier == "default" for r in [*sched.running, *sched.waiting]):
+        step(sched)
+    step(sched)
+    assert sum(r.service.tier == "flex" for r in sched.running) == 4  # held a while
+    for _ in range(40):
+        step(sched)
+    assert sched.num_running_seqs == 16  # alone again: the batch fills the engine
 
 
 def test_counters_are_forgotten_when_the_engine_is_idle():
@@ -280,7 +309,7 @@ def test_without_fair_share_admission_is_arrival_order():
 
 
 def test_a_higher_tiers_prefill_runs_alone_but_never_two_steps_running():
-    sched = scheduler(max_num_seqs=8, min_tier_share=0)
+    sched = scheduler(max_num_seqs=8, min_tier_share=0, yield_share=1.0)
     backlog(sched, "A", 4, tier="flex", max_tokens=100)
     step(sched)
     sched.add(request("p1", "B", tier="priority", num_prompt=20, max_tokens=4))
@@ -288,8 +317,12 @@ def test_a_higher_tiers_prefill_runs_alone_but_never_two_steps_running():
     sched.prefill_chunk_tokens = sched.admission_chunk_tokens = 10
     _, plan = step(sched)
     assert plan.decode == [] and {c.request.request_id for c in plan.prefill} <= {"p1", "p2"}
+    # The paused step is the priority prompts' alone: they get its whole budget, not the
+    # 10-token chunks a step beside the decode leaves.
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefill] == [("p1", 20)]
     _, plan = step(sched)
-    assert len(plan.decode) == 4, "the flex rows decode the next step"
+    flex = [seq for seq in plan.decode if seq.request.service.tier == "flex"]
+    assert len(flex) == 4, "the flex rows decode the next step"
     # Once a priority row decodes, its tier's prefills no longer pause anything.
     while any(r.sequences[0].is_prefilling for r in sched.running):
         step(sched)
