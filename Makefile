@@ -46,7 +46,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-prefix-disk bench-models bench-reports bench-blas bench-sgemm bench-attention clean
+.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-prefix-disk bench-models bench-reports bench-batches bench-blas bench-sgemm bench-attention clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -133,6 +133,10 @@ bench-prefix-disk: setup
 # The report pages and the usage and costs APIs at a million usage rows (a throwaway database).
 bench-reports: setup
 	$(PY) bench/reports.py
+
+# A 1,000-line batch beside 4 interactive streams: their first tokens and the batch's share.
+bench-batches: setup
+	$(PY) bench/batches.py
 
 clean:
 	rm -rf $(VENV)
