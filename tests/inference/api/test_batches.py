@@ -12,6 +12,7 @@ from django.db.models import Sum
 
 from inference.batch_models import Batch, BatchLine
 from inference.models import DailyUsage, UsageRecord
+from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
 from tests.inference.api.test_embeddings import (  # noqa: F401  (fixtures)
     EMBED,
     embed_client,
@@ -21,6 +22,19 @@ from tests.inference.api.test_embeddings import (  # noqa: F401  (fixtures)
 from tests.inference.conftest import TINY
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def live_server_url(django_db_setup, tmp_path_factory):
+    """This module's own server, with a batch runner (the suite's shared one has none, so that
+    no other server claims the batches of tests that run their own)."""
+    port = free_port()
+    env = {**server_env(), "ORCHARD_BATCH_RUNNER": "1"}
+    log_path = tmp_path_factory.mktemp("daphne-batches") / "server.log"
+    process = start_daphne(port=port, env=env, log_path=log_path)
+    yield f"http://127.0.0.1:{port}"
+    stop_daphne(process)
+
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 

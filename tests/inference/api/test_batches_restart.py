@@ -25,7 +25,7 @@ NUM_LINES = 8
 
 def _server(tmp_path, name):
     port = free_port()
-    env = {**server_env(), "ORCHARD_BATCH_CONCURRENCY": "2"}
+    env = {**server_env(), "ORCHARD_BATCH_CONCURRENCY": "2", "ORCHARD_BATCH_RUNNER": "1"}
     process = start_daphne(port=port, env=env, log_path=tmp_path / f"{name}.log")
     return process, f"http://127.0.0.1:{port}/v1"
 
