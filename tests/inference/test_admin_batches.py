@@ -4,6 +4,7 @@ left); staff see only their teams' and cancel only those of teams they own, and 
 without the permission; a file is deleted with its bytes, never while an active batch reads it."""
 
 import pytest
+from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Permission
 from django.contrib.messages import get_messages
 from django.test import Client
@@ -56,7 +57,7 @@ def test_a_superuser_sees_every_batch_its_files_and_cancels_running_ones(world):
     assert listed(client, BATCHES, q="nightly-eval") == [running.id]
     assert listed(client, BATCHES, q=done.id) == [done.id]
 
-    detail = client.get(reverse("admin:inference_batch_change", args=[done.id]))
+    detail = client.get(reverse("admin:inference_batch_change", args=[quote(done.id)]))
     html = detail.content.decode()
     assert detail.status_code == 200 and 'name="_save"' not in html  # read-only
     assert "10 in all: 9 completed, 1 failed" in html
@@ -86,7 +87,7 @@ def test_staff_see_their_teams_batches_and_cancel_those_of_teams_they_own(world)
     member = staff("mike", world["alpha"], Membership.Role.MEMBER, ["view_batch"])
     client = signed_in(member)
     assert set(listed(client, BATCHES)) == {world["running"].id, world["done"].id}
-    beta = reverse("admin:inference_batch_change", args=[world["beta"].id])
+    beta = reverse("admin:inference_batch_change", args=[quote(world["beta"].id)])
     assert client.get(beta).status_code == 302  # not one of theirs: back to the admin index
     page = client.get(BATCHES).content.decode()
     assert "cancel_batches" not in page  # a member may not cancel
