@@ -11,6 +11,7 @@ writes on the way is in lifecycle.py.
 from __future__ import annotations
 
 import datetime
+import re
 import uuid
 from typing import Any
 
@@ -20,11 +21,13 @@ from django.utils import timezone
 
 from accounts.models import ApiKey
 from inference.batch_models import Batch, StoredFile
+from inference.batches.files import FILE_ID
 from inference.batches.lines import ENDPOINTS
 from inference.errors import APIError
 
 COMPLETION_WINDOWS = {"24h": datetime.timedelta(hours=24)}
 MAX_METADATA_PAIRS = 16
+BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 
 
 def batch_not_found(batch_id: str) -> APIError:
@@ -118,6 +121,8 @@ def batch_create(
     metadata = _metadata(metadata)
     if not isinstance(input_file_id, str) or not input_file_id:
         raise APIError(400, "input_file_id must be a file id.", param="input_file_id")
+    if not FILE_ID.fullmatch(input_file_id):  # no query for what cannot be an id (a NUL byte)
+        raise APIError(404, f"No such File object: {input_file_id}", param="input_file_id")
     with transaction.atomic():
         # Locked as file_delete locks it: the file is either gone here or kept for the batch.
         stored = (
@@ -154,6 +159,8 @@ def _batch_new(api_key, stored, endpoint, completion_window, metadata) -> Batch:
 
 
 def batch_get(*, team_id: int, batch_id: str) -> Batch | None:
+    if not BATCH_ID.fullmatch(batch_id):
+        return None
     return Batch.objects.filter(team_id=team_id, id=batch_id).first()
 
 
@@ -161,7 +168,7 @@ def batch_list(*, team_id: int, after: str | None, limit: int) -> tuple[list[Bat
     """The team's batches, newest first, after the batch `after` (a cursor)."""
     batches = Batch.objects.filter(team_id=team_id).order_by("-created_at", "-id")
     if after:
-        cursor = Batch.objects.filter(team_id=team_id, id=after).first()
+        cursor = batch_get(team_id=team_id, batch_id=after)
         if cursor is None:
             raise APIError(400, f"No batch found with id '{after}'.", param="after")
         batches = batches.filter(
@@ -175,6 +182,8 @@ def batch_cancel(*, team_id: int | None, batch_id: str) -> Batch | None:
     """Ask the batch to stop: `cancelling` until its runner has stopped its lines and written
     what finished, then `cancelled`. None when there is no such batch (of the team, unless
     `team_id` is None: the admin)."""
+    if not BATCH_ID.fullmatch(batch_id):
+        return None
     with transaction.atomic():
         batches = Batch.objects.select_for_update().filter(id=batch_id)
         if team_id is not None:

@@ -202,6 +202,17 @@ def test_requests_the_api_refuses(client):
         )
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope")
+    # What cannot be an id (a NUL byte PostgreSQL would refuse in a query) is not found.
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(
+            input_file_id="file-\x00", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.get("/batches/batch_%00", cast_to=object)
+    with pytest.raises(openai.NotFoundError):
+        client.post("/batches/batch_%00/cancel", cast_to=object)
+    with pytest.raises(openai.BadRequestError):
+        client.batches.list(after="batch_\x00")
 
 
 def test_cancel_stops_the_lines_and_keeps_what_finished(client):
