@@ -46,7 +46,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-prefix-disk bench-models bench-reports bench-batches bench-blas bench-sgemm bench-attention clean
+.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-prefix-disk bench-capacity bench-models bench-reports bench-batches bench-blas bench-sgemm bench-attention clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -129,6 +129,10 @@ bench-fairness: setup
 # The prefix cache's disk tier: a shared prefix's first token after a restart against cold.
 bench-prefix-disk: setup
 	$(PY) bench/prefix_disk.py
+
+# More streams in the same memory: the quantized KV cache's capacity, speed and quality.
+bench-capacity: setup
+	$(PY) bench/capacity.py
 
 # The report pages and the usage and costs APIs at a million usage rows (a throwaway database).
 bench-reports: setup

@@ -123,6 +123,23 @@ class ModelEntry(models.Model):
         blank=True,
         help_text="The prefix cache's share of the memory budget. Empty: a quarter; 0: off.",
     )
+    kv_cache_bits = models.PositiveSmallIntegerField(
+        "KV cache bits",
+        null=True,
+        blank=True,
+        choices=[(8, "8 bits"), (4, "4 bits")],
+        help_text="Keep the attention keys and values quantized: about half (8 bits) or a "
+        "quarter (4 bits) of the memory per token at 16-bit precision, so more streams fit; "
+        "the quality cost is measured in bench/RESULTS.md. Empty: the model's own precision. "
+        "Changing it reloads the model.",
+    )
+    kv_cache_group_size = models.PositiveSmallIntegerField(
+        "KV cache group size",
+        default=64,
+        choices=[(32, "32"), (64, "64"), (128, "128")],
+        help_text="Elements per quantization group along each head (it must divide the "
+        "model's head size). Smaller groups: more accurate, a little more memory.",
+    )
     prefix_cache_shared = models.BooleanField(
         default=False,
         help_text="Share cached prompt prefixes across teams. Off: each team hits only its own "

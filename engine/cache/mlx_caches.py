@@ -5,6 +5,12 @@ what Orchard needs from their insides is here: making, merging and extending cac
 batch, copying a sequence's keys, values and recurrent state out (for the prefix cache), seeding
 a fresh cache from a prefix-cache hit, and measuring what a token and a sequence cost in bytes.
 Only a model's engine thread calls into it.
+
+An attention layer's keys and values for a span of tokens travel (to the prefix cache, its disk
+tier and back) as one flat tuple of arrays with the tokens on axis 2: (keys, values) at the
+model's precision, or, with a quantized cache (`KVQuant`, engine/cache/quantized.py), the packed
+keys, their scales and biases, then the same three for the values, stored as computed (never
+dequantized and quantized again, which would drift).
 """
 
 from __future__ import annotations
@@ -21,26 +27,50 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 from engine.cache.prefix import KVSource, LayerKV, LayerState, PrefixCache, PrefixHit
+from engine.cache.quantized import (
+    BatchQuantizedKVCache,
+    QuantizedCache,
+    check_bits,
+    check_group,
+    quantize_layers,
+)
 
 Cache = list[Any]
 
 
 @dataclass(frozen=True)
+class KVQuant:
+    """Keys and values kept at `bits` bits per element, in groups of `group_size` along the
+    head dimension (a model setting: ModelSpec.kv_cache_bits)."""
+
+    bits: int
+    group_size: int = 64
+
+
+@dataclass(frozen=True)
 class CacheLayout:
     """What a model's cache is made of: per layer "kv" (attention: keys and values per token)
-    or "state" (recurrent: fixed-size state), and what one token and one sequence cost."""
+    or "state" (recurrent: fixed-size state), and what one token and one sequence cost;
+    `quant`: how its keys and values are quantized (None: not)."""
 
     kinds: tuple[str, ...]
     kv_bytes_per_token: int
     state_bytes_per_sequence: int
+    quant: KVQuant | None = None
 
     @property
     def hybrid(self) -> bool:
         return "state" in self.kinds
 
+    @property
+    def kv_slots(self) -> int:
+        """Arrays per attention layer in a span of keys and values."""
+        return 6 if self.quant is not None else 2
 
-def make_cache(model: nn.Module) -> Cache:
-    return make_prompt_cache(model)
+
+def make_cache(model: nn.Module, quant: KVQuant | None = None) -> Cache:
+    cache = make_prompt_cache(model)
+    return quantize_layers(cache, quant.bits, quant.group_size) if quant is not None else cache
 
 
 def merge(caches: list[Cache]) -> Cache:
@@ -54,13 +84,13 @@ def concatenate(first: Cache, second: Cache) -> Cache:
     return first
 
 
-def layout(model: nn.Module) -> CacheLayout | None:
+def layout(model: nn.Module, quant: KVQuant | None = None) -> CacheLayout | None:
     """Probe the model's cache with one token; None when a layer's cache is of a kind the
-    prefix cache cannot slice (sliding windows, quantized caches, ...)."""
-    cache = make_cache(model)
+    prefix cache cannot slice (sliding windows, a model's own quantized caches, ...)."""
+    cache = make_cache(model, quant)
     kinds = []
     for layer in cache:
-        if type(layer) is KVCache:
+        if type(layer) in (KVCache, QuantizedCache):
             kinds.append("kv")
         elif type(layer) is ArraysCache:
             kinds.append("state")
@@ -69,34 +99,61 @@ def layout(model: nn.Module) -> CacheLayout | None:
     model(mx.array([[0]]), cache=cache)
     mx.eval([layer.state for layer in cache])
     per_token = sum(
-        (layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2]
+        sum(a.nbytes for a in _flat(layer)) // _flat(layer)[0].shape[2]
         for layer in cache
-        if isinstance(layer, KVCache)
+        if isinstance(layer, KVCache | QuantizedCache)
     )
     per_sequence = sum(layer.nbytes for layer in cache if isinstance(layer, ArraysCache))
-    return CacheLayout(tuple(kinds), per_token, per_sequence)
+    return CacheLayout(tuple(kinds), per_token, per_sequence, quant)
 
 
-def seed(model: nn.Module, hit: PrefixHit, room: int = 0) -> Cache:
+def check_quant(model: nn.Module, quant: KVQuant) -> None:
+    """ValueError, saying why, unless `quant` can hold this model's keys and values: 4 or 8
+    bits, in groups that divide every attention layer's head dimensions."""
+    check_bits(quant.bits)
+    cache = make_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    dims = {a.shape[3] for layer in cache if isinstance(layer, KVCache) for a in _flat(layer)}
+    if not dims:
+        raise ValueError("this model has no attention layers whose keys could be quantized")
+    check_group(dims, quant.group_size)
+    try:  # mlx-lm's quantized attention has no attention sinks (gpt-oss), for one
+        model(mx.array([[0]]), cache=make_cache(model, quant))
+    except Exception as exc:
+        raise ValueError(f"its attention cannot read a quantized cache: {exc}") from exc
+
+
+def _flat(layer) -> tuple[mx.array, ...]:
+    """An attention layer's key and value arrays, as one flat tuple (see the module's doc)."""
+    if isinstance(layer.keys, tuple):
+        return (*layer.keys, *layer.values)
+    return layer.keys, layer.values
+
+
+def _quantized(layer) -> bool:
+    return isinstance(layer, QuantizedCache | BatchQuantizedKVCache)
+
+
+def seed(model: nn.Module, hit: PrefixHit, room: int = 0, quant: KVQuant | None = None) -> Cache:
     """A fresh cache holding a prefix-cache hit: its first `hit.length` tokens computed, with
     space for `room` more allocated in the same copy (else the first tokens added would copy
     everything again to grow it)."""
-    cache = make_cache(model)
+    cache = make_cache(model, quant)
     step = KVCache.step
-    capacity = -(-(hit.length + room) // step) * step
+    pad = -(-(hit.length + room) // step) * step - hit.length
     for index, layer in enumerate(cache):
-        if isinstance(layer, KVCache):
-            keys, values = hit.kv[index]
-            pad = capacity - hit.length
+        if isinstance(layer, KVCache | QuantizedCache):
+            arrays = hit.kv[index]
             if pad:
-                keys = mx.concatenate(
-                    [keys, mx.zeros((*keys.shape[:2], pad, keys.shape[3]), keys.dtype)], axis=2
+                arrays = tuple(
+                    mx.concatenate([a, mx.zeros((*a.shape[:2], pad, a.shape[3]), a.dtype)], axis=2)
+                    for a in arrays
                 )
-                values = mx.concatenate(
-                    [values, mx.zeros((*values.shape[:2], pad, values.shape[3]), values.dtype)],
-                    axis=2,
-                )
-            layer.keys, layer.values = keys, values
+            half = len(arrays) // 2
+            if _quantized(layer):
+                layer.keys, layer.values = tuple(arrays[:half]), tuple(arrays[half:])
+            else:
+                layer.keys, layer.values = arrays
             layer.offset = hit.length
         else:
             layer.cache = [mx.contiguous(a) for a in hit.state[index]]
@@ -117,17 +174,12 @@ def kv_source(cache: Cache, row: int | None = None) -> KVSource:
     def source(start: int, end: int) -> LayerKV:
         layers: LayerKV = []
         for layer, pad in zip(cache, offsets, strict=True):
-            if not isinstance(layer, KVCache | BatchKVCache):
+            if not isinstance(layer, KVCache | BatchKVCache | QuantizedCache):
                 layers.append(None)
                 continue
             rows = slice(None) if row is None else slice(row, row + 1)
             span = slice(pad + start, pad + end)
-            layers.append(
-                (
-                    mx.contiguous(layer.keys[rows, :, span, :]),
-                    mx.contiguous(layer.values[rows, :, span, :]),
-                )
-            )
+            layers.append(tuple(mx.contiguous(a[rows, :, span, :]) for a in _flat(layer)))
         return layers
 
     return source
@@ -162,13 +214,17 @@ def remember(
 
 
 def start_cache(
-    model: nn.Module, prefix_cache: PrefixCache | None, hit: PrefixHit | None, room: int = 0
+    model: nn.Module,
+    prefix_cache: PrefixCache | None,
+    hit: PrefixHit | None,
+    room: int = 0,
+    quant: KVQuant | None = None,
 ) -> Cache:
     """A request's cache: seeded from its prefix-cache hit (then released) or empty; `room`:
     the tokens it will add."""
     if hit is None or not hit.length:
-        return make_cache(model)
-    cache = seed(model, hit, room)
+        return make_cache(model, quant)
+    cache = seed(model, hit, room, quant)
     if prefix_cache is not None:
         prefix_cache.unlock(hit)
     return cache

@@ -44,9 +44,10 @@ logger = logging.getLogger(__name__)
 # How long `close` may spill what memory holds (the process may be shutting down).
 CLOSE_SECONDS = 5.0
 
-# Per layer, for a span of tokens: (keys, values) with tokens on axis 2 for an attention layer,
-# None for a recurrent one.
-LayerKV = list[tuple[mx.array, mx.array] | None]
+# Per layer, for a span of tokens: its arrays with tokens on axis 2 for an attention layer
+# ((keys, values), or six with a quantized cache: engine/cache/mlx_caches.py), None for a
+# recurrent one.
+LayerKV = list[tuple[mx.array, ...] | None]
 # Per layer: the recurrent state arrays for a recurrent layer, None for an attention layer.
 LayerState = list[tuple[mx.array, ...] | None]
 # Copies (start, end) of a sequence's keys and values out of the cache that computed them.
@@ -69,10 +70,7 @@ def _settle(*groups) -> None:
 
 def _slice(kv: LayerKV, start: int, end: int) -> LayerKV:
     return [
-        None
-        if layer is None
-        else (_own(layer[0][..., start:end, :]), _own(layer[1][..., start:end, :]))
-        for layer in kv
+        None if layer is None else tuple(_own(a[..., start:end, :]) for a in layer) for layer in kv
     ]
 
 
@@ -117,9 +115,12 @@ def _gather(path: list[tuple[_Node, int]]) -> LayerKV:
             layers.append(None)
             continue
         parts = [(node.kv[index], take) for node, take in path]
-        keys = mx.concatenate([kv[0][..., :take, :] for kv, take in parts], axis=2)
-        values = mx.concatenate([kv[1][..., :take, :] for kv, take in parts], axis=2)
-        layers.append((keys, values))
+        layers.append(
+            tuple(
+                mx.concatenate([kv[slot][..., :take, :] for kv, take in parts], axis=2)
+                for slot in range(len(first))
+            )
+        )
     return layers
 
 

@@ -86,7 +86,9 @@ class BatchedEngine(EngineLoop):
         )
         self.tenants: dict = {}
         hybrid = self.layout is not None and self.layout.hybrid
-        self.runner = BatchRunner(self.loaded.model, self.prefix_cache, hybrid=hybrid)
+        self.runner = BatchRunner(
+            self.loaded.model, self.prefix_cache, hybrid=hybrid, quant=self.kv_quant
+        )
 
     def prefill_chunk_tokens(self) -> int:
         return self.pacer.chunk_tokens

@@ -361,8 +361,16 @@ class EngineLoop:
 
     def setup_caches(self) -> None:
         """On the engine thread: the model's cache layout, memory budget and prefix cache."""
+        spec = self.spec
+        self.kv_quant = (
+            caches.KVQuant(spec.kv_cache_bits, spec.kv_cache_group_size)
+            if spec.kv_cache_bits
+            else None
+        )
+        if self.kv_quant is not None:
+            caches.check_quant(self.loaded.model, self.kv_quant)  # else the load fails: why
         try:
-            self.layout = caches.layout(self.loaded.model)
+            self.layout = caches.layout(self.loaded.model, self.kv_quant)
         except Exception as exc:  # a model whose cache cannot be probed serves without reuse
             logger.warning("no prefix cache for %s: %s", self.spec.name, describe(exc))
             self.layout = None

@@ -27,7 +27,14 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.cache.mlx_caches import Cache, concatenate, merge, remember, start_cache
+from engine.cache.mlx_caches import (
+    Cache,
+    KVQuant,
+    concatenate,
+    merge,
+    remember,
+    start_cache,
+)
 from engine.cache.prefix import PrefixCache
 from engine.core.forward import (
     accept_drafts,
@@ -82,11 +89,17 @@ class BatchRunner:
     """
 
     def __init__(
-        self, model: nn.Module, prefix_cache: PrefixCache | None = None, *, hybrid: bool = False
+        self,
+        model: nn.Module,
+        prefix_cache: PrefixCache | None = None,
+        *,
+        hybrid: bool = False,
+        quant: KVQuant | None = None,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
         self.hybrid = hybrid
+        self.quant = quant  # the keys' and values' quantization (None: none)
         self._last_logits = last_logits(model)
         self._rows: list[Sequence] = []
         self._cache: Cache | None = None
@@ -296,7 +309,7 @@ class BatchRunner:
             # (A resumed request finds its own state: not what `cached_tokens` reports.)
             request.num_cached_tokens = hit.length
         room = request.num_prefill_tokens - (hit.length if hit is not None else 0)
-        return start_cache(self.model, self.prefix_cache, hit, room)
+        return start_cache(self.model, self.prefix_cache, hit, room, self.quant)
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> tuple[Cache, mx.array | None]:
         """Prefill the rest of several prompts as one padded batch, each from where its cache
@@ -371,11 +384,17 @@ class SequenceRunner:
     prompt and finished sequences inserted."""
 
     def __init__(
-        self, model: nn.Module, prefix_cache: PrefixCache | None = None, *, hybrid: bool = False
+        self,
+        model: nn.Module,
+        prefix_cache: PrefixCache | None = None,
+        *,
+        hybrid: bool = False,
+        quant: KVQuant | None = None,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
         self.hybrid = hybrid
+        self.quant = quant  # the keys' and values' quantization (None: none)
         self._last_logits = last_logits(model)
 
     def drop(self) -> None:
@@ -394,7 +413,8 @@ class SequenceRunner:
         if self.prefix_cache is not None:
             hit = self.prefix_cache.match(prompt, limit=len(prompt) - 1, scope=scope)
             request.num_cached_tokens = hit.length
-        cache = start_cache(self.model, None, hit, len(prompt) - (hit.length if hit else 0))
+        room = len(prompt) - (hit.length if hit else 0)
+        cache = start_cache(self.model, None, hit, room, self.quant)
         start = hit.length if hit is not None else 0
         stop = len(prompt) - 1 if self.hybrid else len(prompt)
         logits = None

@@ -25,7 +25,9 @@ class SimpleEngine(EngineLoop):
     def setup(self) -> None:
         self.setup_caches()
         hybrid = self.layout is not None and self.layout.hybrid
-        self.runner = SequenceRunner(self.loaded.model, self.prefix_cache, hybrid=hybrid)
+        self.runner = SequenceRunner(
+            self.loaded.model, self.prefix_cache, hybrid=hybrid, quant=self.kv_quant
+        )
         self._pending: deque[Request] = deque()
         self._stopping = False
         # The next request is the fair share's turn (engine/core/fairness.py), else the oldest.

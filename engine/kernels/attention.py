@@ -183,14 +183,17 @@ def fused_kernel() -> Any:
 
 def _handles(queries, keys, values, cache, scale, sinks) -> bool:
     # Once per layer per forward: plain checks, no generators (MLX's own fallback builds its
-    # graph in 7 us; a small call pays ~1 us more for coming here).
+    # graph in 7 us; a small call pays ~1 us more for coming here). A quantized cache's keys
+    # (mlx-lm's packed triples) go to MLX's quantized attention.
+    if hasattr(cache, "bits"):
+        return False
     shapes = queries.shape, keys.shape, values.shape
     if len(shapes[0]) != 4 or len(shapes[1]) != 4 or len(shapes[2]) != 4:
         return False
     (B, H, L, D), (Bk, n_kv, S, Dk), (Bv, n_v, Sv, Dv) = shapes
     if (Bk, Bv, Dk, n_v, Sv) != (B, B, D, n_kv, S):
         return False
-    if not B * L * S * D * Dv or H % n_kv or sinks is not None or hasattr(cache, "bits"):
+    if not B * L * S * D * Dv or H % n_kv or sinks is not None:
         return False
     dtype = queries.dtype
     if dtype not in FLOAT_TYPES or keys.dtype != dtype or values.dtype != dtype:

@@ -32,6 +32,10 @@ class ModelSpec:
     # 0: no prefix cache).
     memory_budget_bytes: int | None = None
     prefix_cache_bytes: int | None = None
+    # Keys and values kept quantized (engine/cache/quantized.py): 8 or 4 bits per element in
+    # groups of `kv_cache_group_size` along the head dimension; None: the model's own precision.
+    kv_cache_bits: int | None = None
+    kv_cache_group_size: int = 64
     # Speculative decoding (engine/core/speculative.py): the longest draft a decode step checks per
     # sequence; 0: off. Drafts come from `draft_path`'s model where set (a smaller model of
     # the same tokenizer, engine/core/draft_model.py), else by prompt lookup.

@@ -127,6 +127,8 @@ class ModelEntryAdmin(WideListMixin, admin.ModelAdmin):
                     "memory_budget_bytes",
                     "prefix_cache_bytes",
                     "prefix_cache_shared",
+                    "kv_cache_bits",
+                    "kv_cache_group_size",
                     "cache_stats",
                 ]
             },

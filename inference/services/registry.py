@@ -111,6 +111,8 @@ def model_spec(entry: ModelEntry) -> ModelSpec:
         prefill_chunk_tokens=entry.prefill_chunk_tokens,
         memory_budget_bytes=entry.memory_budget_bytes,
         prefix_cache_bytes=entry.prefix_cache_bytes,
+        kv_cache_bits=entry.kv_cache_bits,
+        kv_cache_group_size=entry.kv_cache_group_size,
         speculative_tokens=entry.speculative_tokens,
         draft_path=entry.draft_model.path if entry.draft_model_id is not None else None,
         fair_share=settings.ORCHARD_FAIR_SHARE,

@@ -21,7 +21,7 @@ Spans = Sequence[tuple[int, int, LayerKV]]
 
 
 def entry_arrays(
-    kinds: Sequence[str],
+    layout,
     spans: Spans,
     first: int,
     count: int,
@@ -32,10 +32,10 @@ def entry_arrays(
     order), then `state`'s arrays."""
     last = first + count
     specs, pieces = [], []
-    for layer, kind in enumerate(kinds):
+    for layer, kind in enumerate(layout.kinds):
         if kind != "kv":
             continue
-        for slot in (0, 1):
+        for slot in range(layout.kv_slots):
             views = []
             for begin, end, kv in spans:
                 array = kv[layer][slot]
@@ -80,7 +80,9 @@ def check_arrays(header: Header, layout, *, with_state: bool) -> None:
     kv = [a for a in header.arrays if a.part == "kv"]
     state = [a for a in header.arrays if a.part == "state"]
     slots = {(a.layer, a.part, a.slot) for a in header.arrays}
-    want = {(i, "kv", s) for i, kind in enumerate(kinds) if kind == "kv" for s in (0, 1)}
+    want = {
+        (i, "kv", s) for i, kind in enumerate(kinds) if kind == "kv" for s in range(layout.kv_slots)
+    }
     if (
         len(slots) != len(header.arrays)
         or {(a.layer, a.part, a.slot) for a in kv} != want

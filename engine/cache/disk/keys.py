@@ -70,9 +70,10 @@ def model_folder(name: str) -> str:
 
 def model_key(path: str | Path, layout: CacheLayout, block_tokens: int) -> str | None:
     """A fingerprint of the model's weights and cache layout: its config.json, the name, size and
-    modification time of every weight file, the layout's per-layer kinds and sizes and the
-    block size. It changes whenever the weights, their layout or the format could, so a file
-    computed by another model is never read. None when the path is not there to fingerprint."""
+    modification time of every weight file, the layout's per-layer kinds and sizes (and its
+    keys' quantization) and the block size. It changes whenever the weights, their layout or
+    the format could, so a file computed by another model is never read. None when the path
+    is not there to fingerprint."""
     folder = Path(path)
     try:
         if folder.is_file():
@@ -87,5 +88,7 @@ def model_key(path: str | Path, layout: CacheLayout, block_tokens: int) -> str |
     if not files:
         return None
     shape = [*layout.kinds, layout.kv_bytes_per_token, layout.state_bytes_per_sequence]
+    if layout.quant is not None:  # the same bytes could hold keys at other bits or groups
+        shape += [layout.quant.bits, layout.quant.group_size]
     described = json.dumps([FORMAT_VERSION, block_tokens, shape, listing])
     return _sha(b"model", config, described.encode())

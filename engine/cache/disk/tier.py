@@ -170,12 +170,12 @@ class DiskTier:
                 continue
             pieces = [part[0][layer] for part in parts[:-1]]
             last = parts[-1][0][layer]
-            pieces.append((last[0][..., : plan.used, :], last[1][..., : plan.used, :]))
+            pieces.append(tuple(a[..., : plan.used, :] for a in last))
             if plan.memory:
-                held = hit.kv[layer]
-                pieces.insert(0, (held[0][..., : plan.memory, :], held[1][..., : plan.memory, :]))
+                pieces.insert(0, tuple(a[..., : plan.memory, :] for a in hit.kv[layer]))
             pieces = [piece for piece in pieces if piece[0].shape[2]]
-            kv.append(tuple(mx.concatenate([p[i] for p in pieces], axis=2) for i in (0, 1)))
+            slots = range(len(pieces[0]))
+            kv.append(tuple(mx.concatenate([p[i] for p in pieces], axis=2) for i in slots))
         store.touch(plan.entries[::-1])  # the shallower, the more recently used
         store.count("hits")
         store.count("hit_tokens", plan.length - hit.length)
@@ -196,7 +196,7 @@ class DiskTier:
         self.store.close(deadline)
 
     def _out(self, scope, kind, parent, first, tokens, spans, state=None) -> Out:
-        specs, pieces = entry_arrays(self.layout.kinds, spans, first, len(tokens), state)
+        specs, pieces = entry_arrays(self.layout, spans, first, len(tokens), state)
         key = entry_key(parent, kind, tokens)
         header = Header(self.model, scope, kind, key, parent, first, tokens, tuple(specs))
         return Out(header, pieces)

@@ -73,6 +73,7 @@ def test_admin_changes_reach_the_engine_without_a_restart(
         "max_num_batched_tokens": entry.max_num_batched_tokens,
         "max_waiting": entry.max_waiting,
         "speculative_tokens": 2,
+        "kv_cache_group_size": 64,
         "default_sampling": "{}",
     }
     with django_capture_on_commit_callbacks(execute=True):

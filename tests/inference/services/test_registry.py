@@ -143,6 +143,7 @@ def test_prefix_cache_shared_is_set_in_the_admin_and_reloads_nothing(admin_clien
         "max_num_batched_tokens": entry.max_num_batched_tokens,
         "max_waiting": entry.max_waiting,
         "speculative_tokens": entry.speculative_tokens,
+        "kv_cache_group_size": 64,
         "default_sampling": "{}",
         "prefix_cache_shared": "on",
     }
@@ -152,6 +153,15 @@ def test_prefix_cache_shared_is_set_in_the_admin_and_reloads_nothing(admin_clien
     assert entry.prefix_cache_shared
     # It scopes requests, not the engine: the serving engine keeps its spec (no reload).
     assert model_spec(entry) == spec
+    # A quantized KV cache is the engine's: its spec changes (the model reloads with it).
+    assert 'name="kv_cache_bits"' in admin_client.get(url).content.decode()
+    response = admin_client.post(url, {**form, "kv_cache_bits": "4", "kv_cache_group_size": "32"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    quantized = model_spec(ModelEntry.objects.get(pk=entry.pk))
+    assert (quantized.kv_cache_bits, quantized.kv_cache_group_size) == (4, 32)
+    assert quantized != spec
+    refused = admin_client.post(url, {**form, "kv_cache_bits": "3"})
+    assert refused.status_code == 200 and "Select a valid choice" in refused.content.decode()
 
 
 def test_only_a_model_folder_of_its_kind_is_registered(tiny_model_path, minilm_path, tmp_path):
