@@ -88,6 +88,10 @@ def _weights(r: mx.array, two_k: mx.array) -> mx.array:
     return exp_reduced(r) * two_k
 
 
+# Query positions past which a quantized cache's keys are read dequantized (a prompt's chunk;
+# a decode step has one, a speculative check at most 17).
+QUANTIZED_QUERIES = 32
+
 KERNELS = PerShape(lambda key: (_exponent_bits, _reduced, _weights))
 
 
@@ -101,6 +105,15 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """mlx-lm's `base.scaled_dot_product_attention`, on the CPU path described above."""
+    if hasattr(cache, "bits") and queries.shape[2] > QUANTIZED_QUERIES:
+        # A prompt's chunk over a quantized cache (engine/cache/quantized.py): MLX's CPU
+        # quantized product is 4x slower there than the fast path over the keys and values
+        # dequantized (one layer's, for this call: the cache keeps them quantized). Decode
+        # steps, and drafts' checks, keep the quantized product: faster for a few queries.
+        keys, values = (
+            mx.dequantize(*x, group_size=cache.group_size, bits=cache.bits) for x in (keys, values)
+        )
+        cache = None
     additive = _UNHANDLED
     if _handles(queries, keys, values, cache, scale, sinks):
         fused = _fused(queries, values, mask)
