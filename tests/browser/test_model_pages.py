@@ -121,7 +121,13 @@ def test_the_admin_refuses_a_path_that_is_no_model_folder(
     initial = {
         field: page.locator(f"#id_{field}").input_value() for field in ("name", "engine", "kind")
     }
-    numbers = ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "speculative_tokens")
+    numbers = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_waiting",
+        "speculative_tokens",
+        "kv_cache_group_size",
+    )
     initial |= {field: page.locator(f"#id_{field}").input_value() for field in numbers}
     form = form_class(data={**initial, "path": str(tiny_model_path), "enabled": "on"})
     assert form.is_valid(), form.errors
