@@ -14,7 +14,7 @@ from accounts.models import Budget
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
 from inference.models import ModelEntry, ModelPrice, UsageRecord
 from inference.services.prices import Price
-from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
+from tests.fixtures.daphne import daphne_servers, server_env
 from tests.inference.conftest import TINY
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -30,16 +30,8 @@ BODY = {
 @pytest.fixture(scope="module")
 def two_servers(django_db_setup, tmp_path_factory):
     env = {**server_env(), "REDIS_URL": REDIS_URL}
-    servers = []
-    try:
-        for index in range(2):
-            port = free_port()
-            log_path = tmp_path_factory.mktemp(f"daphne-budget-{index}") / "server.log"
-            servers.append((start_daphne(port=port, env=env, log_path=log_path), port))
-        yield [f"http://127.0.0.1:{port}" for _, port in servers]
-    finally:
-        for process, _ in servers:
-            stop_daphne(process)
+    with daphne_servers(2, env, tmp_path_factory.mktemp("daphne-budget")) as urls:
+        yield urls
 
 
 @pytest.mark.redis

@@ -9,7 +9,7 @@ import redis
 from asgiref.sync import sync_to_async
 
 from inference.models import DailyUsage, UsageRecord
-from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
+from tests.fixtures.daphne import daphne_servers, server_env
 from tests.inference.conftest import TINY, refused_count
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -19,16 +19,8 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def two_servers(django_db_setup, tmp_path_factory):
     env = {**server_env(), "REDIS_URL": REDIS_URL}
-    servers = []
-    try:
-        for index in range(2):
-            port = free_port()
-            log_path = tmp_path_factory.mktemp(f"daphne-redis-{index}") / "server.log"
-            servers.append((start_daphne(port=port, env=env, log_path=log_path), port))
-        yield [f"http://127.0.0.1:{port}" for _, port in servers]
-    finally:
-        for process, _ in servers:
-            stop_daphne(process)
+    with daphne_servers(2, env, tmp_path_factory.mktemp("daphne-redis")) as urls:
+        yield urls
 
 
 def peak_overlap(rows: list[UsageRecord]) -> int:
