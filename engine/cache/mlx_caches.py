@@ -27,13 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 from engine.cache.prefix import KVSource, LayerKV, LayerState, PrefixCache, PrefixHit
-from engine.cache.quantized import (
-    BatchQuantizedKVCache,
-    QuantizedCache,
-    check_bits,
-    check_group,
-    quantize_layers,
-)
+from engine.cache.quantized import QuantizedCache, check_bits, check_group, quantize_layers
 
 Cache = list[Any]
 
@@ -99,9 +93,10 @@ def layout(model: nn.Module, quant: KVQuant | None = None) -> CacheLayout | None
     model(mx.array([[0]]), cache=cache)
     mx.eval([layer.state for layer in cache])
     per_token = sum(
-        sum(a.nbytes for a in _flat(layer)) // _flat(layer)[0].shape[2]
+        a.nbytes // a.shape[2]
         for layer in cache
         if isinstance(layer, KVCache | QuantizedCache)
+        for a in _flat(layer)
     )
     per_sequence = sum(layer.nbytes for layer in cache if isinstance(layer, ArraysCache))
     return CacheLayout(tuple(kinds), per_token, per_sequence, quant)
@@ -130,10 +125,6 @@ def _flat(layer) -> tuple[mx.array, ...]:
     return layer.keys, layer.values
 
 
-def _quantized(layer) -> bool:
-    return isinstance(layer, QuantizedCache | BatchQuantizedKVCache)
-
-
 def seed(model: nn.Module, hit: PrefixHit, room: int = 0, quant: KVQuant | None = None) -> Cache:
     """A fresh cache holding a prefix-cache hit: its first `hit.length` tokens computed, with
     space for `room` more allocated in the same copy (else the first tokens added would copy
@@ -149,9 +140,8 @@ def seed(model: nn.Module, hit: PrefixHit, room: int = 0, quant: KVQuant | None 
                     mx.concatenate([a, mx.zeros((*a.shape[:2], pad, a.shape[3]), a.dtype)], axis=2)
                     for a in arrays
                 )
-            half = len(arrays) // 2
-            if _quantized(layer):
-                layer.keys, layer.values = tuple(arrays[:half]), tuple(arrays[half:])
+            if isinstance(layer, QuantizedCache):  # (keys' three arrays, then values')
+                layer.keys, layer.values = tuple(arrays[:3]), tuple(arrays[3:])
             else:
                 layer.keys, layer.values = arrays
             layer.offset = hit.length

@@ -27,14 +27,7 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.cache.mlx_caches import (
-    Cache,
-    KVQuant,
-    concatenate,
-    merge,
-    remember,
-    start_cache,
-)
+from engine.cache.mlx_caches import Cache, KVQuant, concatenate, merge, remember, start_cache
 from engine.cache.prefix import PrefixCache
 from engine.core.forward import (
     accept_drafts,

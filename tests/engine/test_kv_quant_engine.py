@@ -70,7 +70,7 @@ def test_greedy_is_identical_alone_batched_chunked_and_simple(wide_model, bits):
         assert batched.tokens(rid) == alone[rid].tokens(rid), rid
         assert simple.tokens(rid) == alone[rid].tokens(rid), rid
         differs += full.tokens(rid) != alone[rid].tokens(rid)
-    assert differs < len(requests)  # quantized, not another model: most rows agree
+    assert differs < len(requests)  # quantized, not another model: not every row differs
 
 
 @pytest.mark.slow
