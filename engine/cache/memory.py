@@ -56,17 +56,21 @@ def plan_memory(
     layout: CacheLayout | None,
     *,
     budget_bytes: int | None = None,
+    pad_tokens: int | None = None,
 ) -> tuple[MemoryBudget | None, PrefixCache | None]:
     """The budget and prefix cache for a model (none without a cache layout Orchard can
     measure and slice): `budget_bytes` as the worker's memory budget granted it (engine/cache/
-    host.py), else the spec's own, else a share of the device less the weights."""
+    host.py), else the spec's own, else a share of the device less the weights; `pad_tokens`:
+    the batch's length cohorts' padding limit (None: one batch at its longest row)."""
     if layout is None:
         return None, None
     total = budget_bytes if budget_bytes is not None else spec.memory_budget_bytes
     if total is None:
         total = int(device_memory_bytes() * DEVICE_SHARE) - weights_bytes(model)
         total = max(total, MIN_BUDGET_BYTES)
-    budget = MemoryBudget(total, layout.kv_bytes_per_token, layout.state_bytes_per_sequence)
+    budget = MemoryBudget(
+        total, layout.kv_bytes_per_token, layout.state_bytes_per_sequence, pad_tokens
+    )
     cache_bytes = spec.prefix_cache_bytes
     if cache_bytes is None:
         cache_bytes = int(total * PREFIX_CACHE_SHARE)

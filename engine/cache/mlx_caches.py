@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
+from engine.cache.cohorts import CohortKVCache, wrap
 from engine.cache.prefix import KVSource, LayerKV, LayerState, PrefixCache, PrefixHit
 from engine.cache.quantized import QuantizedCache, check_bits, check_group, quantize_layers
 
@@ -118,6 +119,28 @@ def check_quant(model: nn.Module, quant: KVQuant) -> None:
         raise ValueError(f"its attention cannot read a quantized cache: {exc}") from exc
 
 
+def check_cohorts(model: nn.Module, quant: KVQuant | None = None) -> None:
+    """ValueError, saying why, unless the model's attention reads a batch in length cohorts
+    (engine/cache/cohorts.py) as it reads one padded batch: a model that builds its own masks
+    or calls attention by another name would not."""
+    singles = []
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8, 9]):
+        cache = make_cache(model, quant)
+        model(mx.array([prompt]), cache=cache)
+        singles.append(cache)
+    tokens = mx.array([[7], [8]])
+    try:
+        grouped = concatenate(wrap(merge(singles[:1]), pad_limit=0), merge(singles[1:]))
+        got = model(tokens, cache=grouped)
+    except Exception as exc:
+        raise ValueError(f"its attention cannot read length cohorts: {exc}") from exc
+    if not any(getattr(layer, "num_cohorts", 0) == 2 for layer in grouped):
+        raise ValueError("its attention layers have no batch cache to split")
+    expected = model(tokens, cache=merge(singles)).astype(mx.float32)
+    if not mx.allclose(got.astype(mx.float32), expected, rtol=1e-2, atol=1e-2).item():
+        raise ValueError("its attention reads length cohorts differently from one batch")
+
+
 def _flat(layer) -> tuple[mx.array, ...]:
     """An attention layer's key and value arrays, as one flat tuple (see the module's doc)."""
     if isinstance(layer.keys, tuple):
@@ -153,21 +176,22 @@ def seed(model: nn.Module, hit: PrefixHit, room: int = 0, quant: KVQuant | None 
 def kv_source(cache: Cache, row: int | None = None) -> KVSource:
     """Copies of a span of one sequence's keys and values: from a sequence's own cache
     (`row` None) or from row `row` of a batch cache."""
-    if row is None:
-        offsets = [0] * len(cache)
-    else:
-        offsets = [
-            layer.left_padding[row].item() if isinstance(layer, BatchKVCache) else 0
-            for layer in cache
-        ]
+    located = []  # per layer: the cache holding the row, the row in it, its left padding
+    for layer in cache:
+        local = row
+        if row is not None and isinstance(layer, CohortKVCache):
+            layer, local = layer.locate(row)
+        batch = local is not None and isinstance(layer, BatchKVCache)
+        pad = layer.left_padding[local].item() if batch else 0
+        located.append((layer, local, pad))
 
     def source(start: int, end: int) -> LayerKV:
         layers: LayerKV = []
-        for layer, pad in zip(cache, offsets, strict=True):
+        for layer, local, pad in located:
             if not isinstance(layer, KVCache | BatchKVCache | QuantizedCache):
                 layers.append(None)
                 continue
-            rows = slice(None) if row is None else slice(row, row + 1)
+            rows = slice(None) if local is None else slice(local, local + 1)
             span = slice(pad + start, pad + end)
             layers.append(tuple(mx.contiguous(a[rows, :, span, :]) for a in _flat(layer)))
         return layers

@@ -30,6 +30,7 @@ class BatchedEngine(EngineLoop):
 
     # Whether decode steps may run ahead (engine/core/runner.py); None: where the device overlaps.
     RUN_AHEAD: bool | None = None
+    COHORTS = True
 
     def setup(self) -> None:
         # Running ahead overlaps host work with the device's; MLX's CPU backend evaluates
@@ -87,7 +88,11 @@ class BatchedEngine(EngineLoop):
         self.tenants: dict = {}
         hybrid = self.layout is not None and self.layout.hybrid
         self.runner = BatchRunner(
-            self.loaded.model, self.prefix_cache, hybrid=hybrid, quant=self.kv_quant
+            self.loaded.model,
+            self.prefix_cache,
+            hybrid=hybrid,
+            quant=self.kv_quant,
+            cohort_pad=self.cohort_pad,
         )
 
     def prefill_chunk_tokens(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ import mlx.core as mx
 
 from engine.cache import mlx_caches as caches
 from engine.cache.budget import MemoryBudget
+from engine.cache.cohorts import PAD_LIMIT
 from engine.cache.disk import PrefixDiskConfig, open_disk_tier
 from engine.cache.memory import plan_memory, weights_bytes
 from engine.cache.mlx_caches import CacheLayout
@@ -59,10 +61,14 @@ logger = logging.getLogger(__name__)
 STOP = object()  # inbox command: end the loop, aborting what is in flight
 DRAIN = object()  # inbox command: end the loop once what is in flight has finished
 CLEAR = object()  # inbox command: empty the prefix cache
+# Turns the batch's length cohorts off for every model (engine/cache/cohorts.py).
+COMPACT_SWITCH = "ORCHARD_COMPACT_KV"
 
 
 class EngineLoop:
     """Base of the engines: lifecycle, inbox, admission, output events, stats."""
+
+    COHORTS = False  # whether the engine's decode batch keeps length cohorts
 
     def __init__(self, spec: ModelSpec, load: Callable[[], LoadedModel]):
         self.spec = spec
@@ -95,6 +101,8 @@ class EngineLoop:
         self.memory: MemoryBudget | None = None
         self.prefix_cache: PrefixCache | None = None
         self.prefix_disk: PrefixDiskConfig | None = None  # the prefix cache's disk tier, if any
+        # The batch's length cohorts' padding limit (engine/cache/cohorts.py); None: one batch.
+        self.cohort_pad: int | None = None
         self._thread = threading.Thread(
             target=self._main, name=f"orchard-engine-{spec.name}", daemon=True
         )
@@ -375,11 +383,33 @@ class EngineLoop:
             logger.warning("no prefix cache for %s: %s", self.spec.name, describe(exc))
             self.layout = None
         self.weights_bytes = weights_bytes(self.loaded.model)
+        self.cohort_pad = self._cohorts()
         self.memory, self.prefix_cache = plan_memory(
-            self.spec, self.loaded.model, self.layout, budget_bytes=self.cache_bytes
+            self.spec,
+            self.loaded.model,
+            self.layout,
+            budget_bytes=self.cache_bytes,
+            pad_tokens=self.cohort_pad,
         )
         if self.prefix_cache is not None:
             self.prefix_cache.disk = open_disk_tier(self.prefix_disk, self.spec, self.layout)
+
+    def _cohorts(self) -> int | None:
+        """The padding limit of the batch's length cohorts, where this engine batches, the
+        model's attention reads them (a probe) and neither the spec nor ORCHARD_COMPACT_KV=0
+        turns them off; else None."""
+        if not self.COHORTS or self.layout is None or not self.spec.compact_kv:
+            return None
+        if os.environ.get(COMPACT_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+            return None
+        try:
+            caches.check_cohorts(self.loaded.model, self.kv_quant)
+        except ValueError as exc:
+            logger.warning(
+                "%s keeps every batch row at its longest row's length: %s", self.spec.name, exc
+            )
+            return None
+        return PAD_LIMIT
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         """The model's info as this engine serves it (what requests are validated against)."""

@@ -10,6 +10,8 @@ and in chunks, or together (right padding, masked) when several start and end in
 their caches then join the decode batch (`BatchKVCache` / `ArraysCache` merge and extend, left
 padding), and each last prompt token is fed with the decode step, whose last-position logits
 give the first token. In float32 the padded batch changes no greedy token (docs/architecture.md).
+The decode batch's attention layers keep their rows in length cohorts (engine/cache/cohorts.py:
+each row costs about its own length, not the longest row's) unless the engine turns them off.
 
 With a prefix cache, a request admitted with a hit starts from a cache seeded with it; the state
 of every completed prompt (all but its last token), of every prompt checkpoint and of every
@@ -27,6 +29,7 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.cache.cohorts import wrap
 from engine.cache.mlx_caches import Cache, KVQuant, concatenate, merge, remember, start_cache
 from engine.cache.prefix import PrefixCache
 from engine.core.forward import (
@@ -88,11 +91,15 @@ class BatchRunner:
         *,
         hybrid: bool = False,
         quant: KVQuant | None = None,
+        cohort_pad: int | None = None,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
         self.hybrid = hybrid
         self.quant = quant  # the keys' and values' quantization (None: none)
+        # The decode batch's length cohorts' padding limit (engine/cache/cohorts.py; None:
+        # every row at the longest row's length).
+        self.cohort_pad = cohort_pad
         self._last_logits = last_logits(model)
         self._rows: list[Sequence] = []
         self._cache: Cache | None = None
@@ -364,7 +371,7 @@ class BatchRunner:
 
     def _extend(self, seqs: list[Sequence], merged: Cache) -> None:
         if self._cache is None:
-            self._cache = merged
+            self._cache = merged if self.cohort_pad is None else wrap(merged, self.cohort_pad)
         else:
             for layer, new in zip(self._cache, merged, strict=True):
                 layer.extend(new)

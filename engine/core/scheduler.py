@@ -22,9 +22,10 @@ arrival order while sequence slots and memory remain.
 - At admission a request is matched against the prefix cache: its sequences start with the
   hit already computed (`num_computed_tokens`), and the hit is held (locked) until the runner
   has seeded the request's cache from it.
-- Memory: a batch holds every row at the length of its longest one, so admission waits while
-  rows × longest × bytes per token (plus recurrent state per row) would not fit beside the
-  prefix cache, evicting cache entries first.
+- Memory: admission waits while the batch's rows at their longest (prompt + max_tokens) would
+  not fit beside the prefix cache, evicting cache entries first; a row costs its cohort's
+  longest length (engine/cache/cohorts.py: rows within a few hundred tokens of one another),
+  or without cohorts the batch's longest, plus recurrent state per row.
 - Fair share and tiers (engine/core/fairness.py, with `fairness`; without it, arrival order):
   the waiting request admitted next is the one of the highest tier, then of the tenant (team)
   and principal (key) that received the least weighted service; prefill chunks of running
@@ -288,11 +289,11 @@ class Scheduler(Preemption):
     def kv_cache_bytes(self) -> int:
         """What the running sequences' caches hold now, as the memory budget counts a batch
         (every row at the longest row's length); 0 without a budget."""
-        rows = self.num_running_seqs
-        if self.memory is None or not rows:
+        if self.memory is None:
             return 0
-        longest = max(seq.num_tokens for r in self.running for seq in r.live_sequences())
-        return self.memory.need(rows, longest)
+        return self.memory.need(
+            [seq.num_tokens for r in self.running for seq in r.live_sequences()]
+        )
 
     def tenant_stats(self) -> dict[str, dict[str, int]]:
         """Per tenant: requests waiting, rows running, tokens served (fairness.TenantStats)."""
@@ -363,8 +364,11 @@ class Scheduler(Preemption):
         running = [r for r in self.running if not any(r is x for x in excluding)]
         if self.memory is None or not running:
             return True
-        longest = max(r.num_prompt_tokens + r.max_tokens for r in [*running, request])
-        need = self.memory.need(num_seqs + len(request.sequences), longest)
+        lengths = [r.num_prompt_tokens + r.max_tokens for r in running for _ in r.live_sequences()]
+        # Rows counted in `num_seqs` but not running yet (admitted in this plan) at this
+        # request's length, as its own.
+        more = max(0, num_seqs - len(lengths)) + len(request.sequences)
+        need = self.memory.need(lengths + [request.num_prompt_tokens + request.max_tokens] * more)
         cached = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
         over = need + cached - self.memory.max_bytes
         if over > 0 and cached:

@@ -10,6 +10,8 @@ builds exp from elementwise ops that `mx.compile` fuses into vectorised loops; o
 - activation.py: mlx-lm's `swiglu` / `precise_swiglu` (silu(gate) * up), 6-11x faster.
 - attention.py: mlx-lm's `scaled_dot_product_attention` (MLX's CPU one is its unfused fallback),
   with that exp in the softmax and GQA's query heads as the rows of one matmul per KV head.
+- grouped.py: attention over a batch kept in length cohorts (engine/cache/cohorts.py), one
+  cohort at a time; installed on every platform, around the fast attention or mlx-lm's own.
 - rope.py: `nn.RoPE` from a table of cos and sin by position (MLX's CPU rope is ~10 ops a call,
   each call computing its own), the same bits as MLX's.
 

@@ -16,6 +16,7 @@ from mlx_lm.models import base as lm_base
 
 from engine.kernels.activation import precise_swiglu, silu, swiglu
 from engine.kernels.attention import fused_kernel, scaled_dot_product_attention
+from engine.kernels.grouped import grouped
 from engine.kernels.rope import FastRoPE, fast_rope
 
 __all__ = [
@@ -72,21 +73,29 @@ def _self_check() -> bool:
     return True
 
 
-# What mlx-lm's modules call (by these global names) -> what they call instead.
+# What mlx-lm's modules call (by these global names) -> what they call instead. Attention reads
+# a batch's length cohorts (engine/kernels/grouped.py) with the fast kernels and without them.
 _REPLACEMENTS = {
     "swiglu": (lm_activations.swiglu, swiglu),
     "precise_swiglu": (lm_activations.precise_swiglu, precise_swiglu),
     "scaled_dot_product_attention": (
         lm_base.scaled_dot_product_attention,
-        scaled_dot_product_attention,
+        grouped(scaled_dot_product_attention),
+    ),
+}
+_GROUPED_ONLY = {
+    "scaled_dot_product_attention": (
+        lm_base.scaled_dot_product_attention,
+        grouped(lm_base.scaled_dot_product_attention),
     ),
 }
 
 
-def install(model: nn.Module, positions: int = DEFAULT_POSITIONS) -> int:
+def install(model: nn.Module, positions: int = DEFAULT_POSITIONS, *, fast: bool = True) -> int:
     """Give every module of `model` whose `__call__` uses one of mlx-lm's functions above the
     fast one, and every plain `nn.RoPE` a table for `positions` positions (the model's context:
-    see rope.py); returns how many modules changed.
+    see rope.py); returns how many modules changed. With `fast` False (off the CPU, or the
+    fast kernels turned off) only attention changes: mlx-lm's own, reading length cohorts.
 
     A module is replaced in its parent by a copy of a subclass whose `__call__` is the same code
     with those names bound to the fast functions (parameters are shared, not copied). Per model,
@@ -96,13 +105,13 @@ def install(model: nn.Module, positions: int = DEFAULT_POSITIONS) -> int:
     copies: dict[int, nn.Module] = {}
 
     def swap(value: Any) -> Any:
-        if type(value) is nn.RoPE:
+        if type(value) is nn.RoPE and fast:
             if id(value) not in copies:
                 copies[id(value)] = fast_rope(value, positions)
             return copies[id(value)]
         if isinstance(value, nn.Module):
             if id(value) not in copies:
-                copies[id(value)] = _fast_copy(value)
+                copies[id(value)] = _fast_copy(value, fast)
                 visit(copies[id(value)])
             return copies[id(value)]
         if isinstance(value, list):
@@ -119,12 +128,13 @@ def install(model: nn.Module, positions: int = DEFAULT_POSITIONS) -> int:
             module[key] = swap(module[key])
 
     visit(model)
-    fused_kernel()  # built and checked now, not in a request's first forward
+    if fast:
+        fused_kernel()  # built and checked now, not in a request's first forward
     return sum(1 for module in copies.values() if getattr(module, "_orchard_fast", False))
 
 
-def _fast_copy(module: nn.Module) -> nn.Module:
-    cls = _fast_class(type(module))
+def _fast_copy(module: nn.Module, fast: bool = True) -> nn.Module:
+    cls = _fast_class(type(module), fast)
     if cls is type(module):
         return module
     copy = cls.__new__(cls)
@@ -134,14 +144,18 @@ def _fast_copy(module: nn.Module) -> nn.Module:
 
 
 @functools.cache
-def _fast_class(cls: type) -> type:
+def _fast_class(cls: type, fast: bool = True) -> type:
     call = next((vars(k)["__call__"] for k in cls.__mro__ if "__call__" in vars(k)), None)
     code = getattr(call, "__code__", None)
-    if code is None or getattr(cls, "_orchard_fast", False):
+    if (
+        code is None
+        or getattr(cls, "_orchard_fast", False)
+        or getattr(cls, "_orchard_grouped", False)
+    ):
         return cls
     swaps = {
-        name: fast
-        for name, (original, fast) in _REPLACEMENTS.items()
+        name: replacement
+        for name, (original, replacement) in (_REPLACEMENTS if fast else _GROUPED_ONLY).items()
         if name in code.co_names and call.__globals__.get(name) is original
     }
     if not swaps:
@@ -158,6 +172,7 @@ def _fast_class(cls: type) -> type:
             "__call__": fast_call,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
-            "_orchard_fast": True,
+            "_orchard_fast": fast,
+            "_orchard_grouped": True,  # its attention reads length cohorts
         },
     )

@@ -51,6 +51,8 @@ def load_model(
     if kernels.fast_kernels_enabled():
         changed = kernels.install(model, positions=context)
         logger.info("%s: fast CPU kernels in %d modules", path.name, changed)
+    else:  # attention that reads a batch's length cohorts (engine/cache/cohorts.py)
+        kernels.install(model, fast=False)
     eos = config.get("eos_token_id")
     tokenizer, source = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     info = ModelInfo(

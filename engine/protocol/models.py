@@ -36,6 +36,9 @@ class ModelSpec:
     # groups of `kv_cache_group_size` along the head dimension; None: the model's own precision.
     kv_cache_bits: int | None = None
     kv_cache_group_size: int = 64
+    # The decode batch's attention caches in length cohorts (engine/cache/cohorts.py), so a
+    # row's keys and values cost its own length; off: every row at the longest row's length.
+    compact_kv: bool = True
     # Speculative decoding (engine/core/speculative.py): the longest draft a decode step checks per
     # sequence; 0: off. Drafts come from `draft_path`'s model where set (a smaller model of
     # the same tokenizer, engine/core/draft_model.py), else by prompt lookup.

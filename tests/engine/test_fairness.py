@@ -368,4 +368,4 @@ def test_the_running_caches_bytes_are_counted_as_the_budget_counts_them():
     sched.add(request("a", "A", num_prompt=4))
     sched.add(request("b", "B", num_prompt=9))
     step(sched)
-    assert sched.kv_cache_bytes() == memory.need(2, 10) == 2 * (256 * 10 + 100)
+    assert sched.kv_cache_bytes() == memory.need([4, 9]) == 2 * (256 * 10 + 100)

@@ -58,6 +58,9 @@ def test_loader_installs_it_and_outputs_stay_within_rounding(monkeypatch):
     assert not kernels.fast_kernels_enabled()
     plain = load_model(path)
     assert fast_modules(plain.model) == []
+    # MLX's own attention, behind the dispatch that reads a batch's length cohorts.
+    grouped = [n for n, m in plain.model.named_modules() if getattr(m, "_orchard_grouped", False)]
+    assert sorted(grouped) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
     tokens = mx.array([[3000 + 7 * i for i in range(40)]])
     ours, theirs = fast.model(tokens), plain.model(tokens)

@@ -1,6 +1,8 @@
-"""A model registered with a quantized KV cache (`kv_cache_bits`), through the openai SDK over
-HTTP: it streams and answers, the same reply alone and beside other requests, and a group size
-its heads cannot take fails its load with a 503, not a request's worker."""
+"""The running batch's KV memory through the openai SDK over HTTP. A model registered with a
+quantized KV cache (`kv_cache_bits`): it streams and answers, the same reply alone and beside
+other requests, and a group size its heads cannot take fails its load with a 503, not a
+request's worker. Length cohorts (engine/cache/cohorts.py): one team's long conversation beside
+another team's short ones changes no reply."""
 
 import concurrent.futures
 
@@ -10,6 +12,7 @@ import pytest
 from inference.models import ModelEntry
 from inference.services.registry import model_register
 from tests.fixtures.tiny_models import build_tiny_model
+from tests.inference.conftest import TINY
 
 QUANTIZED = "tiny-kv8"
 MISFIT = "tiny-kv-misfit"
@@ -58,3 +61,35 @@ def test_a_group_the_heads_cannot_take_fails_the_load_not_a_request(
         )
     assert refused.value.status_code == 503
     assert refused.value.body["code"] == "model_load_failed"
+
+
+def test_a_long_conversation_beside_another_teams_short_ones_changes_no_reply(
+    live_server_url, make_key, tiny_models
+):
+    """The long one (about 450 tokens) and the short ones (about 20) are over 256 tokens apart:
+    they run in separate length cohorts of the batch, read by attention one cohort at a time."""
+
+    def client_of(user: str, team: str) -> openai.OpenAI:
+        key = make_key(user, team)
+        return openai.OpenAI(base_url=f"{live_server_url}/v1", api_key=key, max_retries=0)
+
+    team_a, team_b = client_of("alice", "team-a"), client_of("bob", "team-b")
+    ask = {"model": TINY, "temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
+    long_text = "Summarise this list: " + ", ".join(f"item {i}" for i in range(150))
+    shorts = [f"Name a colour, number {n}." for n in range(3)]
+
+    def long_reply() -> str:
+        stream = team_a.chat.completions.create(
+            messages=[{"role": "user", "content": long_text}], stream=True, **ask
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    def short_reply(text: str) -> str:
+        answer = team_b.chat.completions.create(messages=[{"role": "user", "content": text}], **ask)
+        return answer.choices[0].message.content
+
+    alone = [long_reply(), *map(short_reply, shorts)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(long_reply), *(pool.submit(short_reply, t) for t in shorts)]
+        together = [future.result() for future in running]
+    assert together == alone
