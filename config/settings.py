@@ -259,6 +259,29 @@ if not 0 <= ORCHARD_TIER_MIN_SHARE < 1:
 ORCHARD_GRAMMAR_MAX_BYTES = env_int("ORCHARD_GRAMMAR_MAX_BYTES", 512 * 1024)
 if ORCHARD_GRAMMAR_MAX_BYTES < 1:
     raise ImproperlyConfigured("ORCHARD_GRAMMAR_MAX_BYTES must be at least 1.")
+# Image inputs (inference/images/): at most ORCHARD_IMAGE_MAX_BYTES and ORCHARD_IMAGE_MAX_PIXELS
+# each (the pixels read from the header, before anything is decoded). Image URLs are fetched only
+# when ORCHARD_IMAGE_FETCH is on (data URLs always work), then only from public addresses and the
+# networks of ORCHARD_IMAGE_FETCH_ALLOWED_NETWORKS, within the timeout (the whole fetch) and
+# following at most ORCHARD_IMAGE_FETCH_MAX_REDIRECTS redirects.
+ORCHARD_IMAGE_FETCH = env_bool("ORCHARD_IMAGE_FETCH", False)
+ORCHARD_IMAGE_FETCH_ALLOWED_NETWORKS = ip_networks(
+    "ORCHARD_IMAGE_FETCH_ALLOWED_NETWORKS", env_list("ORCHARD_IMAGE_FETCH_ALLOWED_NETWORKS", [])
+)
+ORCHARD_IMAGE_FETCH_MAX_REDIRECTS = env_int("ORCHARD_IMAGE_FETCH_MAX_REDIRECTS", 3)
+ORCHARD_IMAGE_FETCH_TIMEOUT_SECONDS = env_float(
+    "ORCHARD_IMAGE_FETCH_TIMEOUT_SECONDS", 10.0, positive=True
+)
+ORCHARD_IMAGE_MAX_BYTES = env_bytes("ORCHARD_IMAGE_MAX_BYTES", 20 << 20)
+ORCHARD_IMAGE_MAX_PIXELS = env_int("ORCHARD_IMAGE_MAX_PIXELS", 40_000_000)
+if (
+    ORCHARD_IMAGE_FETCH_MAX_REDIRECTS < 0
+    or min(ORCHARD_IMAGE_MAX_BYTES, ORCHARD_IMAGE_MAX_PIXELS) < 1
+):
+    raise ImproperlyConfigured(
+        "ORCHARD_IMAGE_FETCH_MAX_REDIRECTS must be 0 or more, ORCHARD_IMAGE_MAX_BYTES and "
+        "ORCHARD_IMAGE_MAX_PIXELS at least 1."
+    )
 # The reverse proxies in front of the web processes (addresses or CIDR networks). A request from
 # one of them has its client address read from X-Forwarded-For, right to left, past these; empty:
 # the client is REMOTE_ADDR (accounts/signin.py, the sign-in throttle).
