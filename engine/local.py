@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -21,6 +22,7 @@ import numpy as np
 
 from engine.client import EngineClient
 from engine.core.embedding import EmbeddingJob
+from engine.models.vision import expand_rendered
 from engine.protocol import (
     EmbeddingInfo,
     EmbeddingProgress,
@@ -138,9 +140,15 @@ class LocalEngineClient(EngineClient):
         self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
     ) -> RenderedPrompt:
         engine = self.worker.get(model)
-        return await self.renderer.render(
-            engine.loaded.tokenizer, prompt, checkpoints=engine.info.hybrid, timeout_s=timeout_s
+        rendered = await self.renderer.render(
+            engine.loaded.tokenizer,
+            dataclasses.replace(prompt, images=()),  # the template sees image parts only
+            checkpoints=engine.info.hybrid,
+            timeout_s=timeout_s,
         )
+        if prompt.images:
+            rendered = await expand_rendered(engine.loaded.vision, rendered, prompt.images)
+        return rendered
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         tokenizer = self.worker.get(model).loaded.tokenizer

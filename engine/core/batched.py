@@ -31,6 +31,7 @@ class BatchedEngine(EngineLoop):
     # Whether decode steps may run ahead (engine/core/runner.py); None: where the device overlaps.
     RUN_AHEAD: bool | None = None
     COHORTS = True
+    IMAGES = True
 
     def setup(self) -> None:
         # Running ahead overlaps host work with the device's; MLX's CPU backend evaluates
@@ -93,6 +94,7 @@ class BatchedEngine(EngineLoop):
             hybrid=hybrid,
             quant=self.kv_quant,
             cohort_pad=self.cohort_pad,
+            vision=self.loaded.vision,
         )
 
     def prefill_chunk_tokens(self) -> int:

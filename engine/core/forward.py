@@ -24,18 +24,27 @@ from engine.core.sampled import Sampled, collect, result_arrays, sample_rows
 from engine.core.sampling import SampleResult
 
 
-def prefill(model: nn.Module, cache: Cache, token_ids: Seq[int]) -> None:
-    """Run tokens through the model into `cache`; the logits are never materialised."""
+def prefill(
+    model: nn.Module, cache: Cache, token_ids: Seq[int], embeddings: mx.array | None = None
+) -> None:
+    """Run tokens through the model into `cache`, fed as ids or as their input `embeddings`
+    (a prompt with images: engine/models/vision.py); the logits are never materialised."""
     if token_ids:
-        model(mx.array(token_ids)[None], cache=cache)
+        model(mx.array(token_ids)[None], cache=cache, **fed(embeddings))
         # Logits of prefill chunks are left unevaluated (lazy), so the vocabulary projection
         # of every prompt position is never computed.
         mx.async_eval([c.state for c in cache])
 
 
+def fed(embeddings: mx.array | None) -> dict:
+    """The model's keyword for input embeddings fed instead of ids (mlx-lm's), where given."""
+    return {} if embeddings is None else {"input_embeddings": embeddings}
+
+
 def last_logits(model: nn.Module) -> Callable[..., mx.array]:
-    """`forward(tokens (B, T), cache, positions, rows=None)`: the logits (N, V) of position
-    `positions[i]` of row `rows[i]` (rows None: one position per row, in row order).
+    """`forward(tokens (B, T), cache, positions, rows=None, embeddings=None)`: the logits
+    (N, V) of position `positions[i]` of row `rows[i]` (rows None: one position per row, in
+    row order); fed `embeddings` (B, T, hidden) instead of the tokens' own where given.
 
     The model's own call projects every position through the vocabulary; a prompt whose
     first token comes from its prefill needs one. mlx-lm models are a backbone (`model`)
@@ -46,8 +55,10 @@ def last_logits(model: nn.Module) -> Callable[..., mx.array]:
     def picked(rows: list[int] | None, tokens: mx.array) -> mx.array:
         return mx.arange(tokens.shape[0]) if rows is None else mx.array(rows)
 
-    def whole(tokens: mx.array, cache: Cache, positions: list[int], rows=None) -> mx.array:
-        logits = model(tokens, cache=cache)
+    def whole(
+        tokens: mx.array, cache: Cache, positions: list[int], rows=None, embeddings=None
+    ) -> mx.array:
+        logits = model(tokens, cache=cache, **fed(embeddings))
         return logits[picked(rows, tokens), mx.array(positions)]
 
     backbone = getattr(model, "model", None)
@@ -58,8 +69,10 @@ def last_logits(model: nn.Module) -> Callable[..., mx.array]:
     else:
         return whole
 
-    def split(tokens: mx.array, cache: Cache, positions: list[int], rows=None) -> mx.array:
-        hidden = backbone(tokens, cache)
+    def split(
+        tokens: mx.array, cache: Cache, positions: list[int], rows=None, embeddings=None
+    ) -> mx.array:
+        hidden = backbone(tokens, cache, **fed(embeddings))
         return head(hidden[picked(rows, tokens), mx.array(positions)])
 
     try:

@@ -42,6 +42,7 @@ from engine.core.request import Emit, Request, Sequence
 from engine.core.sampled import Sampled
 from engine.core.sampling import SamplingState
 from engine.models.loader import LoadedModel
+from engine.models.vision import cache_key_ids, check_images
 from engine.protocol import (
     EngineOverloadedError,
     EngineStats,
@@ -69,6 +70,7 @@ class EngineLoop:
     """Base of the engines: lifecycle, inbox, admission, output events, stats."""
 
     COHORTS = False  # whether the engine's decode batch keeps length cohorts
+    IMAGES = False  # whether it runs a vision model's image prompts
 
     def __init__(self, spec: ModelSpec, load: Callable[[], LoadedModel]):
         self.spec = spec
@@ -241,6 +243,8 @@ class EngineLoop:
         side has done both already; they are done again here because a bad token id reaching
         the device corrupts other requests, and with the same functions, so the two agree."""
         validate_generation(spec, self.info)
+        if spec.images:
+            check_images(spec, self.loaded.vision)
         return completion_budget(
             num_prompt_tokens=len(spec.prompt_token_ids),
             context_length=self.info.context_length,
@@ -260,6 +264,13 @@ class EngineLoop:
     def build(self, spec: GenerationRequest, emit: Emit, max_tokens: int) -> Request:
         info, tokenizer, params = self.info, self.loaded.tokenizer, spec.sampling
         request = Request(spec, emit, max_tokens=max_tokens)
+        if spec.images:
+            request.image_key_ids = cache_key_ids(
+                spec.prompt_token_ids,
+                [image.num_tokens for image in spec.images],
+                [image.digest for image in spec.images],
+                self.loaded.vision.image_token_id,
+            )
         if self.prefix_cache is not None and self.prefix_cache.hybrid:
             # Only the recurrent state needs taking at a boundary; attention layers' keys and
             # values are cut from anywhere.
@@ -413,6 +424,8 @@ class EngineLoop:
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         """The model's info as this engine serves it (what requests are validated against)."""
+        if not self.IMAGES:
+            info = dataclasses.replace(info, input_kinds=("text",))
         if self.memory is None:
             return info
         return dataclasses.replace(

@@ -75,6 +75,12 @@ class Request:
     # cache again, or finds it in the prefix cache, where preemption left it.
     resumed_token_ids: tuple[int, ...] = ()
     num_preemptions: int = 0
+    # A prompt with images (engine/models/vision.py): its ids with each image's placeholder
+    # tokens keyed by the image (`cache_key_ids`), which the prefix cache and the runner see as
+    # `prompt_token_ids`; and, while it prefills, its input embeddings (the images' features
+    # at their placeholders), which its prefill chunks are fed instead of ids.
+    image_key_ids: tuple[int, ...] | None = None
+    embeddings: Any = None
 
     @property
     def request_id(self) -> str:
@@ -82,6 +88,10 @@ class Request:
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt as the engine keys it: its token ids, with image positions keyed by
+        their image (`image_key_ids`; those positions are fed embeddings, never their ids)."""
+        if self.image_key_ids is not None:
+            return self.image_key_ids
         return self.spec.prompt_token_ids
 
     @property
@@ -93,8 +103,8 @@ class Request:
         """What its cache must hold before it decodes: the prompt (and, resumed after a
         preemption, the tokens it had generated)."""
         if self.resumed_token_ids:
-            return self.spec.prompt_token_ids + self.resumed_token_ids
-        return self.spec.prompt_token_ids
+            return self.prompt_token_ids + self.resumed_token_ids
+        return self.prompt_token_ids
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -41,13 +41,14 @@ from engine.core.forward import (
     sample_first,
 )
 from engine.core.request import Request, Sequence
-from engine.core.sampled import Sampled, collect, result_arrays, sample
+from engine.core.sampled import Sampled, collect, result_arrays
 from engine.core.sampling import SampleResult
 from engine.core.scheduler import PrefillChunk, SchedulerOutput
+from engine.models.vision import VisionEncoder
 from engine.protocol import RequestStatus
 
 # Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
-_KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+KEPT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
 @dataclass
@@ -71,6 +72,10 @@ class _Prefilled:
         ]
 
 
+def _span(embeddings: mx.array | None, start: int, end: int) -> mx.array | None:
+    return None if embeddings is None else embeddings[:, start:end]
+
+
 class BatchRunner:
     """Holds the decode batch (rows, batched cache) and in-progress prefill caches.
 
@@ -92,8 +97,10 @@ class BatchRunner:
         hybrid: bool = False,
         quant: KVQuant | None = None,
         cohort_pad: int | None = None,
+        vision: VisionEncoder | None = None,
     ):
         self.model = model
+        self.vision = vision  # a vision model's image encoder (None: text only)
         self.prefix_cache = prefix_cache
         self.hybrid = hybrid
         self.quant = quant  # the keys' and values' quantization (None: none)
@@ -155,7 +162,7 @@ class BatchRunner:
         for row, seq in enumerate(self._rows):
             if not seq.status.is_finished:
                 keep.append(row)
-            elif self.prefix_cache is not None and seq.status in _KEPT:
+            elif self.prefix_cache is not None and seq.status in KEPT:
                 # A row that ran ahead has also been fed its last sampled token.
                 length = seq.num_computed_tokens + (id(seq) in ahead)
                 tokens = (seq.request.prompt_token_ids + tuple(seq.output_token_ids))[:length]
@@ -256,6 +263,8 @@ class BatchRunner:
             if chunk.completes_prompt
             and chunk.num_tokens > 1
             and (chunk.start == 0 or not self.hybrid)
+            and chunk.request.embeddings is None  # a prompt with images prefills alone
+            and not chunk.request.spec.images
         ]
         together = {id(chunk.request) for chunk in whole} if len(whole) > 1 else set()
         done = _Prefilled()
@@ -270,21 +279,38 @@ class BatchRunner:
                 cache = self._prefill_caches[request.request_id] = self._start(request)
             end = chunk.start + chunk.num_tokens
             prompt = request.prefill_token_ids
+            embeddings = request.embeddings  # a prompt with images: fed by embedding
             if not chunk.completes_prompt:
-                prefill(self.model, cache, prompt[chunk.start : end])
+                prefill(
+                    self.model,
+                    cache,
+                    prompt[chunk.start : end],
+                    _span(embeddings, chunk.start, end),
+                )
                 if end in request.checkpoints:
                     self._remember(request, prompt[:end], cache)
                 continue
             del self._prefill_caches[request.request_id]
+            request.embeddings = None
             seqs = request.live_sequences()
             if self.hybrid:
-                prefill(self.model, cache, prompt[chunk.start : end - 1])
+                prefill(
+                    self.model,
+                    cache,
+                    prompt[chunk.start : end - 1],
+                    _span(embeddings, chunk.start, end - 1),
+                )
                 self._remember(request, prompt[: end - 1], cache)
                 done.joining += seqs
                 joining_caches += [cache] * len(seqs)
                 continue
             tokens = mx.array(prompt[chunk.start : end])[None]
-            logits = self._last_logits(tokens, cache, [end - chunk.start - 1])
+            logits = self._last_logits(
+                tokens,
+                cache,
+                [end - chunk.start - 1],
+                embeddings=_span(embeddings, chunk.start, end),
+            )
             self._remember(request, prompt, cache)
             done.sampled.append((seqs, sample_first(logits, seqs)))
             sampled_caches += [cache] * len(seqs)
@@ -309,7 +335,20 @@ class BatchRunner:
             # (A resumed request finds its own state: not what `cached_tokens` reports.)
             request.num_cached_tokens = hit.length
         room = request.num_prefill_tokens - (hit.length if hit is not None else 0)
+        if request.spec.images:
+            request.embeddings = self._embeddings(request)
         return start_cache(self.model, self.prefix_cache, hit, room, self.quant)
+
+    def _embeddings(self, request: Request) -> mx.array:
+        """A prompt with images as the model's input embeddings (its images' features at their
+        placeholders), and, resumed after a preemption, the tokens it had generated."""
+        images = [image.data for image in request.spec.images]
+        embeddings = self.vision.embed(request.spec.prompt_token_ids, images)
+        if request.resumed_token_ids:
+            tokens = mx.array(request.resumed_token_ids)[None]
+            generated = self.vision.model.language_model.embed_tokens(tokens)
+            embeddings = mx.concatenate([embeddings, generated.astype(embeddings.dtype)], axis=1)
+        return embeddings
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> tuple[Cache, mx.array | None]:
         """Prefill the rest of several prompts as one padded batch, each from where its cache
@@ -376,76 +415,3 @@ class BatchRunner:
             for layer, new in zip(self._cache, merged, strict=True):
                 layer.extend(new)
         self._rows.extend(seqs)
-
-
-class SequenceRunner:
-    """One sequence at a time with mlx-lm's plain caches: for models that cannot batch. It
-    shares the batch runner's prefix cache behaviour: seeded from a hit, checkpoints and the
-    prompt and finished sequences inserted."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        prefix_cache: PrefixCache | None = None,
-        *,
-        hybrid: bool = False,
-        quant: KVQuant | None = None,
-    ):
-        self.model = model
-        self.prefix_cache = prefix_cache
-        self.hybrid = hybrid
-        self.quant = quant  # the keys' and values' quantization (None: none)
-        self._last_logits = last_logits(model)
-
-    def drop(self) -> None:
-        """Let go of the model's arrays (its engine has ended): the forward closes over them."""
-        self.model = self.prefix_cache = self._last_logits = None
-
-    def prefill(self, seq: Sequence, chunk_size: int) -> tuple[Cache, list[Sampled]]:
-        """The cache of `seq`'s prompt, computed in chunks that end at its checkpoints, from a
-        prefix-cache hit when there is one; and its first token, sampled from the last chunk
-        (as the batch runner does; on a hybrid model the last prompt token is left to `step`
-        and this returns no token)."""
-        request = seq.request
-        prompt = request.prompt_token_ids
-        hit = None
-        scope = request.cache_scope
-        if self.prefix_cache is not None:
-            hit = self.prefix_cache.match(prompt, limit=len(prompt) - 1, scope=scope)
-            request.num_cached_tokens = hit.length
-        room = len(prompt) - (hit.length if hit else 0)
-        cache = start_cache(self.model, None, hit, room, self.quant)
-        start = hit.length if hit is not None else 0
-        stop = len(prompt) - 1 if self.hybrid else len(prompt)
-        logits = None
-        while start < stop:
-            end = min(stop, start + chunk_size)
-            end = next((c for c in request.checkpoints if start < c < end), end)
-            if end < len(prompt):
-                prefill(self.model, cache, prompt[start:end])
-            else:
-                tokens = mx.array(prompt[start:end])[None]
-                logits = self._last_logits(tokens, cache, [end - start - 1])
-            if end in request.checkpoints:
-                remember(self.prefix_cache, prompt[:end], cache, scope=scope, hybrid=self.hybrid)
-            start = end
-        remember(self.prefix_cache, prompt[:stop], cache, scope=scope, hybrid=self.hybrid)
-        return cache, [] if logits is None else sample(logits, [seq])
-
-    def finished(self, seq: Sequence, cache: Cache) -> None:
-        """Keep a sequence that ended normally (its computed tokens) in the prefix cache."""
-        if self.prefix_cache is not None and seq.status in _KEPT:
-            tokens = seq.request.prompt_token_ids + tuple(seq.output_token_ids)
-            remember(
-                self.prefix_cache,
-                tokens[: seq.num_computed_tokens],
-                cache,
-                scope=seq.request.cache_scope,
-                hybrid=self.hybrid,
-            )
-
-    def step(self, cache: Cache, seqs: list[Sequence]) -> list[Sampled]:
-        """Feed each sequence's last token (one shared cache, so one sequence) and sample."""
-        (seq,) = seqs
-        logits = self.model(mx.array([[seq.token_at(seq.num_tokens - 1)]]), cache=cache)
-        return sample(logits[:, -1, :], seqs)

@@ -15,7 +15,7 @@ from collections import deque
 from engine.core.fairness import FairShare
 from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
 from engine.core.request import Request
-from engine.core.runner import SequenceRunner
+from engine.core.sequence_runner import SequenceRunner
 from engine.protocol import RequestStatus
 
 logger = logging.getLogger(__name__)

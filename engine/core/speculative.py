@@ -134,6 +134,8 @@ class Speculator:
         for seq in decode:
             if seq.constraint is not None or seq.sampling_state.depends_on_history:
                 continue
+            if seq.request.spec.images:  # its prompt holds image positions, not tokens to draft
+                continue
             stats = self._rows.get(seq.seq_id)
             if stats is None:
                 drafter = NgramDrafter(min_ngram=self.min_ngram, max_ngram=self.max_ngram)

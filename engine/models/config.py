@@ -25,6 +25,8 @@ class FolderFacts:
 
     quantization: str | None
     size_bytes: int
+    # What its prompts may hold: a vision-language model (a vision_config) takes images.
+    input_kinds: tuple[str, ...] = ("text",)
 
 
 def context_length(config: Mapping[str, Any]) -> int:
@@ -96,7 +98,12 @@ def _cached_facts(folder: str, mtime_ns: int) -> FolderFacts:
             described += f", group {quantization['group_size']}"
     else:
         described = _weights_dtype([f for f in files if f.suffix == ".safetensors"])
-    return FolderFacts(quantization=described, size_bytes=sum(f.stat().st_size for f in files))
+    vision = isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+    return FolderFacts(
+        quantization=described,
+        size_bytes=sum(f.stat().st_size for f in files),
+        input_kinds=("text", "image") if vision else ("text",),
+    )
 
 
 def _weights_dtype(files: list[Path]) -> str | None:

@@ -61,6 +61,9 @@ MODEL_FILES = (
     "additional_chat_templates/*.jinja",
     "model.safetensors.index.json",
     "model*.safetensors",
+    # A vision-language model's processor (engine/models/vision.py).
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 EMBEDDING_FILES = (
     "modules.json",

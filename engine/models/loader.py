@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine.kernels import fast as kernels
 from engine.models.config import context_length as config_context_length
+from engine.models.vision import VisionEncoder, is_vision_model, load_vision_model, read_config
 from engine.protocol import ModelInfo
 from engine.text.harmony import is_harmony_tokenizer
 
@@ -37,6 +38,8 @@ class LoadedModel:
     config: Mapping[str, Any]
     info: ModelInfo
     tokenizer_source: str  # "mlx_lm" | "auto_tokenizer" | "tokenizer_file"
+    # A vision-language model's image encoder (engine/models/vision.py); None: text only.
+    vision: VisionEncoder | None = None
 
 
 def load_model(
@@ -46,7 +49,12 @@ def load_model(
     model's MLPs, attention and rotary embeddings get the fast kernels (engine/kernels/) unless
     ORCHARD_FAST_KERNELS=0."""
     path = Path(path)
-    model, config = mlx_load_model(path)
+    vision = None
+    config = read_config(path)
+    if is_vision_model(config):  # mlx-vlm's encoder, the language model as mlx-lm's
+        model, vision = load_vision_model(path, config)
+    else:
+        model, config = mlx_load_model(path)
     context = context_length or config_context_length(config)
     if kernels.fast_kernels_enabled():
         changed = kernels.install(model, positions=context)
@@ -64,8 +72,9 @@ def load_model(
         chat_template=chat_template_text(tokenizer)
         or (HARMONY_TEMPLATE if is_harmony_tokenizer(tokenizer) else ""),
         added_tokens=_added_tokens(tokenizer),
+        input_kinds=("text", "image") if vision is not None else ("text",),
     )
-    return LoadedModel(model, tokenizer, config, info, source)
+    return LoadedModel(model, tokenizer, config, info, source, vision)
 
 
 def _added_tokens(tokenizer: TokenizerWrapper) -> dict[str, int]:

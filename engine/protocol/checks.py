@@ -25,6 +25,11 @@ def validate_generation(
             f"This model serves at most {info.max_choices} choices per request (n={params.n}).",
             param="n",
         )
+    if request.images and "image" not in info.input_kinds:
+        raise InvalidRequestError(
+            f"The model {info.name} takes no images: send text only, or use a vision model.",
+            param=prompt_param,
+        )
     ids = request.prompt_token_ids
     num_prompt = len(ids)
     if num_prompt == 0:

@@ -3,8 +3,10 @@ the one check of it against the model, and the stream of outputs that answers it
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,9 +171,14 @@ class PromptInput:
     add_generation_prompt: bool = True
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
+    # The images of `messages`, in order (each an image part the template renders as the
+    # model's image token; rendering expands it into the image's placeholder tokens).
+    images: tuple[bytes, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["images"] = [base64.b64encode(image).decode("ascii") for image in self.images]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PromptInput:
@@ -179,6 +186,7 @@ class PromptInput:
         for key in ("messages", "tools", "token_ids"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
+        data["images"] = tuple(base64.b64decode(image) for image in data.get("images", ()))
         return cls(**data)
 
 
@@ -192,6 +200,8 @@ class RenderedPrompt:
     # The end of a chat prompt as text: whether the template opened a reasoning block for the
     # reply (Qwen3 and DeepSeek-R1 templates end with "<think>\n").
     tail_text: str = ""
+    # How many of the placeholder tokens in `token_ids` are each image's, in order.
+    image_tokens: tuple[int, ...] = ()
 
 
 # Service tiers, highest first (OpenAI's `service_tier` values; engine/core/fairness.py).
@@ -236,6 +246,33 @@ class ServiceClass:
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt, as the caller sent it (checked at the edge: a PNG, JPEG, GIF or
+    WebP within the size limits): its encoded bytes; their sha256 (hex), which keys the prefix
+    cache, so a repeated image is a hit and another image never is; and how many of the
+    prompt's placeholder tokens are this image's (the model's processor decides)."""
+
+    data: bytes
+    digest: str
+    num_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "data": base64.b64encode(self.data).decode("ascii"),
+            "digest": self.digest,
+            "num_tokens": self.num_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PromptImage:
+        return cls(base64.b64decode(data["data"]), data["digest"], int(data["num_tokens"]))
+
+    @classmethod
+    def of(cls, data: bytes, num_tokens: int) -> PromptImage:
+        return cls(data, hashlib.sha256(data).hexdigest(), num_tokens)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """`checkpoints`: prompt positions worth resuming from later (the end of the system prompt
     and tools, the conversation before its last user turn): on a hybrid model the engine keeps
@@ -246,7 +283,10 @@ class GenerationRequest:
     caller's prompts (through reused tokens or a faster first token) must not share its scope.
     "" is the scope of callers that set none.
 
-    `service`: whose share of the engine the request uses, and its tier (ServiceClass)."""
+    `service`: whose share of the engine the request uses, and its tier (ServiceClass).
+
+    `images`: the prompt's images in order, on a vision model; each one's placeholder tokens
+    (engine/models/vision.py `VisionEncoder.expand`) are in `prompt_token_ids`."""
 
     request_id: str
     model: str
@@ -255,6 +295,7 @@ class GenerationRequest:
     checkpoints: tuple[int, ...] = ()
     cache_scope: str = ""
     service: ServiceClass = field(default_factory=ServiceClass)
+    images: tuple[PromptImage, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -265,6 +306,7 @@ class GenerationRequest:
             "checkpoints": list(self.checkpoints),
             "cache_scope": self.cache_scope,
             "service": self.service.to_dict(),
+            "images": [image.to_dict() for image in self.images],
         }
 
     @classmethod
@@ -277,6 +319,7 @@ class GenerationRequest:
             checkpoints=tuple(data.get("checkpoints", ())),
             cache_scope=data.get("cache_scope", ""),
             service=ServiceClass.from_dict(data.get("service") or {}),
+            images=tuple(PromptImage.from_dict(image) for image in data.get("images", ())),
         )
 
 

@@ -84,6 +84,8 @@ class ModelInfo:
     # The tokenizer's added tokens (<tool_call>, <|python_tag|>, [TOOL_CALLS], ...) by their ids,
     # which a grammar names as tokens rather than text (inference/services/structured.py).
     added_tokens: Mapping[str, int] = field(default_factory=dict)
+    # What a prompt may hold: ("text",), or ("text", "image") on a vision model.
+    input_kinds: tuple[str, ...] = ("text",)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,7 +93,8 @@ class ModelInfo:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelInfo:
         eos, added = tuple(data["eos_token_ids"]), dict(data.get("added_tokens", {}))
-        return cls(**{**data, "eos_token_ids": eos, "added_tokens": added})
+        kinds = tuple(data.get("input_kinds", ("text",)))
+        return cls(**{**data, "eos_token_ids": eos, "added_tokens": added, "input_kinds": kinds})
 
 
 @dataclass(frozen=True)

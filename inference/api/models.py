@@ -11,6 +11,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
 from accounts.models import ApiKey
+from engine import folder_facts
 from inference.api.common import authenticate
 from inference.errors import model_not_found
 from inference.models import ModelEntry
@@ -22,18 +23,23 @@ from inference.services.registry import model_for_key, models_for_key
 @require_GET
 async def models_list(request: HttpRequest) -> HttpResponse:
     api_key = await authenticate(request)
-    entries = await sync_to_async(_offered_to)(api_key)
-    return JsonResponse({"object": "list", "data": [_model_object(entry) for entry in entries]})
+    objects = await sync_to_async(_objects)(api_key)
+    return JsonResponse({"object": "list", "data": objects})
 
 
 @csrf_exempt
 @require_GET
 async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
     api_key = await authenticate(request)
-    entries = await sync_to_async(_offered_to)(api_key, model_id)
-    if not entries:
+    objects = await sync_to_async(_objects)(api_key, model_id)
+    if not objects:
         raise model_not_found(model_id)
-    return JsonResponse(_model_object(entries[0]))
+    return JsonResponse(objects[0])
+
+
+def _objects(api_key: ApiKey, name: str | None = None) -> list[dict[str, Any]]:
+    # On a thread: the engines' state and the folders' facts are read here.
+    return [_model_object(entry) for entry in _offered_to(api_key, name)]
 
 
 def _offered_to(api_key: ApiKey, name: str | None = None) -> list[ModelEntry]:
@@ -45,9 +51,13 @@ def _offered_to(api_key: ApiKey, name: str | None = None) -> list[ModelEntry]:
 
 
 def _model_object(entry: ModelEntry) -> dict[str, Any]:
+    """OpenAI's model object, and what a prompt to the model may hold (`input_kinds`:
+    ["text"], or ["text", "image"] for a vision-language model, from its folder)."""
+    facts = folder_facts(entry.path) if entry.kind == ModelEntry.Kind.CHAT else None
     return {
         "id": entry.name,
         "object": "model",
         "created": int(entry.created_at.timestamp()),
         "owned_by": "orchard",
+        "input_kinds": list(facts.input_kinds) if facts is not None else ["text"],
     }

@@ -316,7 +316,7 @@ def normalize_message(message: Any, index: int) -> dict[str, Any]:
         raise MessageError(
             f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}.", f"{where}.role"
         )
-    content = _text_content(message.get("content"), where)
+    content = _content(message.get("content"), where, images=role == "user")
     normalized: dict[str, Any] = {"role": "system" if role == "developer" else role}
     tool_calls = message.get("tool_calls")
     if role == "assistant" and tool_calls:
@@ -338,24 +338,53 @@ def normalize_message(message: Any, index: int) -> dict[str, Any]:
     return normalized
 
 
-def _text_content(content: Any, where: str) -> str | None:
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
+def _content(content: Any, where: str, *, images: bool) -> str | list[dict[str, Any]] | None:
+    """Text parts as one string; with image parts (user messages only), the parts in order:
+    text as {"type": "text", "text"}, images as {"type": "image", "url", "param"} (the
+    generation service fetches and checks them: inference/services/images.py)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise MessageError(
             f"{where}.content must be a string or a list of parts.", f"{where}.content"
         )
-    texts = []
+    parts: list[dict[str, Any]] = []
     for index, part in enumerate(content):
+        at = f"{where}.content[{index}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and images:
+            parts.append(_image_part(part.get("image_url"), at))
+        else:
+            allowed = "text and image_url" if images else "text"
             raise MessageError(
-                f"{where}.content[{index}]: only text content parts are supported by this "
-                f"server; got type {kind!r}.",
-                f"{where}.content[{index}].type",
+                f"{at}: only {allowed} content parts are supported here; got type {kind!r}.",
+                f"{at}.type",
             )
-        texts.append(part["text"])
-    return "".join(texts)
+    if not any(part["type"] == "image" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _image_part(image_url: Any, at: str) -> dict[str, Any]:
+    if isinstance(image_url, str):  # some clients send the URL itself
+        image_url = {"url": image_url}
+    url = image_url.get("url") if isinstance(image_url, dict) else None
+    if not isinstance(url, str) or not url:
+        raise MessageError(
+            f"{at}.image_url.url must be a URL or a data URL.", f"{at}.image_url.url"
+        )
+    detail = image_url.get("detail", "auto")
+    if detail not in IMAGE_DETAILS:
+        raise MessageError(
+            f"{at}.image_url.detail must be one of {', '.join(IMAGE_DETAILS)}.",
+            f"{at}.image_url.detail",
+        )
+    return {"type": "image", "url": url, "param": f"{at}.image_url.url"}
 
 
 def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:

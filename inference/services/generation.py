@@ -46,6 +46,7 @@ from engine import (
     ModelLoadError,
     ModelNotLoadedError,
     ModelUnavailableError,
+    PromptImage,
     PromptInput,
     RenderedPrompt,
     SamplingParams,
@@ -60,6 +61,7 @@ from inference.services.admission import Intake, model_load_failed, model_unavai
 from inference.services.cache_scope import prefix_cache_scope
 from inference.services.engines import get_engine_client
 from inference.services.execution import ERROR_RELOADING, Execution
+from inference.services.images import prompts_with_images
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
 from inference.services.registry import model_spec
 from inference.services.service_class import AUTO_TIERS, service_class
@@ -198,7 +200,12 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
             f"this one asks for {len(call.prompts) * sampling.n}.",
             param=call.prompt_param,
         )
-    prompts = [await _render(intake, entry.name, p, call.prompt_param) for p in call.prompts]
+    inputs = await prompts_with_images(call.prompts, info=info, model=entry.name)
+    prompts = [await _render(intake, entry.name, p, call.prompt_param) for p in inputs]
+    images = [
+        tuple(map(PromptImage.of, given.images, rendered.image_tokens))
+        for given, rendered in zip(inputs, prompts, strict=True)
+    ]
     parsing = output_parsing(call, entry, info, prompts[0].tail_text) if call.parse_output else None
     if parsing is not None and parsing.markers:
         sampling = dataclasses.replace(sampling, keep_special_tokens=parsing.markers)
@@ -206,7 +213,9 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
         grammar = await intake.in_thread(_tool_grammar, call, sampling, parsing, info)
         sampling = dataclasses.replace(sampling, grammar=grammar)
     scope = prefix_cache_scope(api_key=api_key, entry=entry, salt=call.cache_salt)
-    sized = Sizing(request_id, entry.name, prompts, sampling, size_limit, info, scope, service)
+    sized = Sizing(
+        request_id, entry.name, prompts, sampling, size_limit, info, scope, service, images
+    )
     requests = sized.requests()
     for request in requests:
         try:
@@ -249,6 +258,7 @@ class Sizing:
     info: ModelInfo
     cache_scope: str
     service: ServiceClass
+    images: list[tuple[PromptImage, ...]] = dataclasses.field(default_factory=list)
 
     @property
     def flexible(self) -> bool:
@@ -296,6 +306,7 @@ class Sizing:
                     rendered.checkpoints,
                     self.cache_scope,
                     service=self.service,
+                    images=self.images[index] if self.images else (),
                 )
             )
         return requests

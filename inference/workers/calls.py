@@ -88,14 +88,17 @@ class WorkerCalls:
         worker, info = await self.fleet.any_serving(model)
         spec = worker.beat.models[model].model_spec()
         tokenizer = await self._tokenizer(spec, info)
-        if tokenizer is not None:
+        if tokenizer is not None and not prompt.images:  # images: the worker's processor
             return await self.renderer.render(
                 tokenizer, prompt, checkpoints=info.hybrid, timeout_s=timeout_s
             )
         args = {"model": model, "prompt": prompt.to_dict(), "timeout_s": timeout_s}
         value = await self.call(worker, "render", args, (timeout_s or CALL_TIMEOUT_S) + 2)
         return RenderedPrompt(
-            tuple(value["token_ids"]), tuple(value["checkpoints"]), value["tail_text"]
+            tuple(value["token_ids"]),
+            tuple(value["checkpoints"]),
+            value["tail_text"],
+            tuple(value.get("image_tokens", ())),
         )
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:

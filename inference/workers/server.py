@@ -11,6 +11,7 @@ does. A bad message is answered with an error (or logged), never the end of the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ from engine import (
     ModelSpec,
     PromptInput,
     PromptRenderer,
+    expand_rendered,
 )
 from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
 from inference.workers.outbox import Outbox
@@ -301,16 +303,20 @@ class EngineServer:
 
     async def _render(self, args: dict) -> dict:
         engine = self.worker.get(args["model"])
+        prompt = PromptInput.from_dict(args["prompt"])
         rendered = await self.renderer.render(
             engine.loaded.tokenizer,
-            PromptInput.from_dict(args["prompt"]),
+            dataclasses.replace(prompt, images=()),  # the template sees image parts only
             checkpoints=engine.info.hybrid,
             timeout_s=args.get("timeout_s"),
         )
+        if prompt.images:
+            rendered = await expand_rendered(engine.loaded.vision, rendered, prompt.images)
         return {
             "token_ids": list(rendered.token_ids),
             "checkpoints": list(rendered.checkpoints),
             "tail_text": rendered.tail_text,
+            "image_tokens": list(rendered.image_tokens),
         }
 
     async def _detokenize(self, args: dict) -> str:

@@ -15,6 +15,7 @@ from engine.models.pull import PullAbandoned, PullRequest, pull_model, staging_f
 from tests.fixtures.hub import (
     BIN_REPO,
     EMBEDDING_REPO,
+    EXTRA_FILES,
     GATED_REPO,
     GATED_TOKEN,
     HF_REPO,
@@ -88,6 +89,23 @@ def test_a_plan_lists_only_the_files_a_model_needs(local_hub):
     assert not plan.hub_says_mlx
     assert plan.file("model.safetensors").sha256 is not None
     assert hub_plan(MLX_REPO, revision="v1", kind="chat", endpoint=local_hub.url).hub_says_mlx
+
+
+def test_a_vision_models_plan_has_its_processor_files(local_hub):
+    from tests.fixtures.tiny_vision import build_tiny_vision_model
+
+    local_hub.add_repo("vision-org/tiny-smolvlm", build_tiny_vision_model(), files=EXTRA_FILES)
+    plan = hub_plan("vision-org/tiny-smolvlm", revision=None, kind="chat", endpoint=local_hub.url)
+    assert [f.path for f in plan.files] == [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
 def test_an_mlx_checkpoint_is_served_as_downloaded(local_hub, tmp_path):

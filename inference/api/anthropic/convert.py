@@ -77,8 +77,27 @@ def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         raise APIError(400, exc.message, param="messages") from None
 
 
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as a URL (base64 data as a data URL), for the chat messages'
+    `image_url` part; the generation service checks the image itself."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str) or not data:
+            raise _fail("a base64 image source needs media_type and data.", f"{where}.source")
+        return f"data:{media_type};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str) and source["url"]:
+        return source["url"]
+    raise _fail(
+        "an image's source is {type: base64, media_type, data} or {type: url, url}.",
+        f"{where}.source",
+    )
+
+
 def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     out, texts = [], []
+    parts: list[dict[str, Any]] = []  # text and images in order, when the turn has images
     for index, block in enumerate(blocks):
         kind = block["type"]
         if kind == "tool_result":
@@ -91,12 +110,19 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]
             out.append({"role": "tool", "tool_call_id": tool_use_id, "content": result})
         elif kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            url = _image_url(block, f"{where}.{index}")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             raise _fail(
-                f"only text and tool_result blocks are supported in user turns; got {kind!r}.",
+                "only text, image and tool_result blocks are supported in user turns; "
+                f"got {kind!r}.",
                 f"{where}.{index}.type",
             )
-    if texts or not out:
+    if any(part["type"] == "image_url" for part in parts):
+        out.append({"role": "user", "content": parts})
+    elif texts or not out:
         out.append({"role": "user", "content": "\n\n".join(texts)})
     return out
 

@@ -114,16 +114,20 @@ def _input_item(item: Any, where: str) -> dict[str, Any]:
                 f"{where}.role",
             )
         part_type = "output_text" if role == "assistant" else "input_text"
-        text = _text(item.get("content"), f"{where}.content")
-        part: dict[str, Any] = {"type": part_type, "text": text}
-        if role == "assistant":
-            part["annotations"] = []
+        content = item.get("content")
+        if role == "user" and _has_images(content):
+            parts = _user_parts(content, f"{where}.content")
+        else:
+            part: dict[str, Any] = {"type": part_type, "text": _text(content, f"{where}.content")}
+            if role == "assistant":
+                part["annotations"] = []
+            parts = [part]
         return {
             "id": _item_id(item, kind),
             "type": "message",
             "role": role,
             "status": "completed",
-            "content": [part],
+            "content": parts,
         }
     if kind in CALL_TYPES:
         canonical = {
@@ -182,6 +186,54 @@ def _reasoning_text(item: dict[str, Any]) -> str:
     return "\n\n".join(part.get("text", "") for part in parts if isinstance(part, dict))
 
 
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    )
+
+
+def _user_parts(content: list, where: str) -> list[dict[str, Any]]:
+    """A user message's text and `input_image` parts, in order (an image by its URL or data
+    URL; the generation service reads and checks it)."""
+    parts = []
+    for index, part in enumerate(content):
+        at = f"{where}[{index}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise _fail(
+                    f"{at}.image_url must be a URL or a data URL (file_id is not supported).",
+                    f"{at}.image_url",
+                )
+            parts.append(
+                {"type": "input_image", "image_url": url, "detail": part.get("detail", "auto")}
+            )
+        elif kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            parts.append({"type": "input_text", "text": part["text"]})
+        else:
+            raise _fail(
+                f"{at}: only text and input_image content parts are supported here; got "
+                f"type {kind!r}.",
+                f"{at}.type",
+            )
+    return parts
+
+
+def _user_content(item: dict[str, Any]) -> str | list[dict[str, Any]]:
+    """A user message item's content for the chat messages: its text, or with images, its
+    parts as chat's (`image_url` parts)."""
+    parts = item.get("content") or ()
+    if not any(part.get("type") == "input_image" for part in parts):
+        return _message_text(item)
+    return [
+        {"type": "image_url", "image_url": {"url": part["image_url"], "detail": part["detail"]}}
+        if part.get("type") == "input_image"
+        else {"type": "text", "text": part.get("text", "")}
+        for part in parts
+    ]
+
+
 def _message_text(item: dict[str, Any]) -> str:
     return "\n\n".join(
         part.get("text", "") for part in item.get("content") or () if isinstance(part, dict)
@@ -220,8 +272,10 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
                 assistant(_message_text(item))
                 continue
             reasoning.clear()  # reasoning replays only into the turn it led to
-            role = "user" if item["role"] == "user" else "system"
-            messages.append({"role": role, "content": _message_text(item)})
+            if item["role"] == "user":
+                messages.append({"role": "user", "content": _user_content(item)})
+            else:
+                messages.append({"role": "system", "content": _message_text(item)})
         elif kind in CALL_TYPES:
             name = template_name(item["name"], item.get("namespace"))
             arguments = item.get("arguments")

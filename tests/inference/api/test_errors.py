@@ -124,13 +124,20 @@ def test_invalid_values_name_the_param(post, tiny_models, field, value, param):
     assert_openai_error(post("chat/completions", body), 400, param=param)
 
 
-def test_non_text_content_part_is_a_clear_400(post, tiny_models):
-    image = {"type": "image_url", "image_url": {"url": "http://example.invalid/x.png"}}
-    body = {"model": TINY, "messages": [{"role": "user", "content": [image]}]}
+def test_content_parts_the_model_cannot_read_are_a_clear_400(post, tiny_models):
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    body = {"model": TINY, "messages": [{"role": "user", "content": [audio]}]}
     error = assert_openai_error(
         post("chat/completions", body), 400, param="messages[0].content[0].type"
     )
-    assert "only text" in error["message"]
+    assert "only text and image_url" in error["message"]
+    # An image, to a model that takes text only: refused before anything is fetched.
+    image = {"type": "image_url", "image_url": {"url": "http://example.invalid/x.png"}}
+    body = {"model": TINY, "messages": [{"role": "user", "content": [image]}]}
+    error = assert_openai_error(
+        post("chat/completions", body), 400, param="messages[0].content[0].image_url.url"
+    )
+    assert error["code"] == "image_input_not_supported" and TINY in error["message"]
 
 
 def test_unknown_fields_are_ignored(post, tiny_models):

@@ -223,8 +223,12 @@ def test_a_client_leaving_mid_stream_is_billed_for_what_it_got(scripted_url, raw
         ({"input": []}, "input"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]},
             "input[0].content[0].type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "input[0].content[0].image_url",
         ),
         ({"input": [{"type": "computer_call_output"}]}, "input[0].type"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),

@@ -1,0 +1,242 @@
+"""Vision-language models: images into the language model's input embeddings.
+
+mlx-vlm (PyPI, the field's MLX library for vision-language models) loads a model folder whole:
+its vision tower, the projector, its own copy of the language model, and the processor (image
+preprocessing and the prompt's image tokens). Orchard serves the language model as mlx-lm's,
+built from the same weights (shared, not copied), so an image request decodes in the same
+continuous batch, caches and kernels as any text request; from mlx-vlm it keeps the encoder:
+`VisionEncoder.embed` turns a prompt's token ids and its images into input embeddings, each
+image's placeholder tokens carrying that image's features. The runner feeds a request's prefill
+chunks those embeddings (engine/core/runner.py); its last prompt token, a text token, joins the
+decode batch by id.
+
+Supported: SmolVLM and Idefics3 (`smolvlm`, `idefics3`: a Llama decoder, plain positions).
+Other mlx-vlm architectures fail the load with a sentence saying which are supported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+
+# isort: split
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from engine.protocol import InvalidRequestError, RenderedPrompt
+
+# mlx-vlm's text decoders Orchard maps onto an mlx-lm model (model_type -> mlx-lm module).
+TEXT_MODELS = {"smolvlm": "llama", "idefics3": "llama"}
+
+
+class VisionModelError(ValueError):
+    """A model folder Orchard cannot serve as a vision-language model (the load fails)."""
+
+
+def is_vision_model(config: dict[str, Any]) -> bool:
+    return isinstance(config.get("vision_config"), dict)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass
+class VisionEncoder:
+    """A loaded model's vision half: mlx-vlm's model (its tower and projector; its language
+    model's arrays are the served model's) and processor."""
+
+    model: nn.Module
+    processor: Any
+    image_token_id: int
+
+    @property
+    def image_token(self) -> str:
+        """The text that stands for one image in a prompt before `expand`."""
+        return self.processor.image_token
+
+    def expand(self, text: str, images: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """The token ids of `text`, whose image tokens (one per image, in order) become each
+        image's placeholder tokens (how many: the processor's, for that image's size); and
+        how many placeholder tokens each image has."""
+        pictures = _pictures(images)
+        out = self.processor(text=[text], images=[pictures] if pictures else None)
+        counts = [self._placeholders([picture]) for picture in pictures]
+        return [int(t) for t in out["input_ids"][0]], counts
+
+    def expand_ids(
+        self, token_ids: Sequence[int], images: Sequence[bytes]
+    ) -> tuple[list[int], list[int]]:
+        """A rendered prompt's ids, whose image tokens (the template's one per image part, in
+        order) become each image's placeholder tokens; and how many each image has.
+        ValueError when the prompt does not hold one image token per image."""
+        marks = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(marks) != len(images):
+            raise ValueError(
+                f"the rendered prompt holds {len(marks)} image tokens for {len(images)} "
+                "image(s) (is the image token in the text?)"
+            )
+        out, counts, start = [], [], 0
+        for mark, picture in zip(marks, _pictures(images), strict=True):
+            text = self.processor(
+                text=[self.image_token], images=[[picture]], add_special_tokens=False
+            )
+            ids = [int(t) for t in text["input_ids"][0]]
+            out += [*token_ids[start:mark], *ids]
+            counts.append(sum(t == self.image_token_id for t in ids))
+            start = mark + 1
+        return [*out, *token_ids[start:]], counts
+
+    def _placeholders(self, pictures: list) -> int:
+        inputs = self.processor(text=[self.image_token * len(pictures)], images=[pictures])
+        return sum(int(t) == self.image_token_id for t in inputs["input_ids"][0])
+
+    def embed(self, token_ids: Sequence[int], images: Sequence[bytes]) -> mx.array:
+        """Input embeddings (1, len(token_ids), hidden) of a prompt whose placeholder tokens are
+        its images' (`expand`'s); ValueError when the counts disagree."""
+        inputs = self.processor(text=[self.image_token * len(images)], images=[_pictures(images)])
+        expected = sum(int(t) == self.image_token_id for t in inputs["input_ids"][0])
+        found = sum(t == self.image_token_id for t in token_ids)
+        if found != expected:
+            raise ValueError(
+                f"the prompt has {found} image placeholder tokens where its "
+                f"{len(images)} image(s) need {expected}"
+            )
+        pixels = {
+            key: mx.array(inputs[key])
+            for key in ("pixel_values", "pixel_attention_mask")
+            if inputs.get(key) is not None
+        }
+        features = self.model.get_input_embeddings(mx.array(list(token_ids))[None], **pixels)
+        return features.inputs_embeds
+
+
+# Prefix-cache keys of image positions: ids above any vocabulary's (token ids are below 2**31),
+# drawn from the image's digest and the position in it, so equal keys mean the same image.
+KEY_BASE = 1 << 31
+
+
+def cache_key_ids(
+    token_ids: Sequence[int], counts: Sequence[int], digests: Sequence[str], image_token_id: int
+) -> tuple[int, ...]:
+    """`token_ids` with each image's placeholder tokens (the first `counts[0]` placeholders are
+    the first image's, and so on) as ids keyed by that image's digest: the prefix cache then
+    matches a prompt's images by content, where every placeholder has the same token id."""
+    keys = list(token_ids)
+    owners = [
+        (digest, j) for digest, count in zip(digests, counts, strict=True) for j in range(count)
+    ]
+    placeholders = (i for i, t in enumerate(token_ids) if t == image_token_id)
+    for i, (digest, j) in zip(placeholders, owners, strict=True):
+        hashed = hashlib.blake2b(f"{digest}:{j}".encode(), digest_size=4).digest()
+        keys[i] = KEY_BASE + (int.from_bytes(hashed, "little") % KEY_BASE)
+    return tuple(keys)
+
+
+async def expand_rendered(
+    vision: VisionEncoder | None, rendered: RenderedPrompt, images: Sequence[bytes]
+) -> RenderedPrompt:
+    """A rendered chat prompt with its images' placeholder tokens (`expand_ids`, on a thread:
+    the processor resizes the images); InvalidRequestError when the model takes no images or
+    the prompt does not hold one image token per image."""
+    if vision is None:
+        raise InvalidRequestError("This model takes no images.", param="messages")
+    try:
+        ids, counts = await asyncio.to_thread(vision.expand_ids, rendered.token_ids, images)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"The images could not be placed: {exc}.", param="messages"
+        ) from None
+    return dataclasses.replace(rendered, token_ids=tuple(ids), image_tokens=tuple(counts))
+
+
+def check_images(request: Any, vision: VisionEncoder | None) -> None:
+    """InvalidRequestError unless `request`'s images are this model's to read: a vision model,
+    and the prompt's placeholder tokens the images' own (their `num_tokens`, summed)."""
+    if vision is None:
+        raise InvalidRequestError("This model takes no images.", param="messages")
+    placeholders = sum(t == vision.image_token_id for t in request.prompt_token_ids)
+    claimed = sum(image.num_tokens for image in request.images)
+    if placeholders != claimed or any(image.num_tokens < 1 for image in request.images):
+        raise InvalidRequestError(
+            f"The prompt has {placeholders} image placeholder tokens; its "
+            f"{len(request.images)} image(s) claim {claimed}.",
+            param="messages",
+        )
+
+
+def _pictures(images: Sequence[bytes]) -> list:
+    from PIL import Image
+
+    pictures = []
+    for index, data in enumerate(images):
+        try:
+            picture = Image.open(io.BytesIO(data))
+            picture.load()  # the first frame of an animation
+            pictures.append(picture.convert("RGB"))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+            raise ValueError(f"image {index + 1} could not be decoded ({exc})") from None
+    return pictures
+
+
+def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, VisionEncoder]:
+    """The served (mlx-lm) language model and the vision encoder of a vision model folder."""
+    model_type = config.get("model_type")
+    if model_type not in TEXT_MODELS:
+        raise VisionModelError(
+            f"vision-language models of type {model_type!r} are not supported yet; "
+            f"supported: {', '.join(sorted(TEXT_MODELS))}"
+        )
+    from mlx_vlm import load as vlm_load
+
+    vlm, processor = vlm_load(str(path))
+    text = _text_model(vlm, config, TEXT_MODELS[model_type])
+    token_id = config.get("image_token_id", config.get("image_token_index"))
+    if token_id is None:
+        token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return text, VisionEncoder(vlm, processor, int(token_id))
+
+
+def _text_model(vlm: nn.Module, config: dict[str, Any], module_name: str) -> nn.Module:
+    """mlx-lm's model for mlx-vlm's language model, holding the same arrays."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    language = vlm.language_model
+    text_config = {
+        **{k: v for k, v in vars(language.config).items() if not k.startswith("_")},
+        "model_type": module_name,
+        # Idefics3's decoder always has its own output projection.
+        "tie_word_embeddings": not hasattr(language, "lm_head"),
+    }
+    model = module.Model(module.ModelArgs.from_dict(text_config))
+    weights = {
+        name if name.startswith("lm_head.") else f"model.{name}": array
+        for name, array in tree_flatten(language.parameters())
+    }
+    quantization = config.get("quantization")
+    if quantization:  # quantized layers where the weights have scales, as mlx-lm loads them
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            class_predicate=lambda name, module: (
+                hasattr(module, "to_quantized") and f"{name}.scales" in weights
+            ),
+        )
+    model.load_weights(list(weights.items()))
+    model.eval()
+    return model

@@ -1,0 +1,87 @@
+"""Images in prompts, between the endpoints and the engine.
+
+Every route turns its image inputs into OpenAI's `image_url` parts of user messages (chat as
+sent; Responses' `input_image` and Anthropic's image blocks by their converters), which
+inference/api/serializers.py normalizes into {"type": "image", "url", "param"} parts. Here, for
+a generation: the model must take images (a 400 naming it otherwise, before anything is
+fetched), each image is read and checked once (inference/images: data URLs always, URLs only
+where fetching is on, the format, bytes and pixels), and the prompt goes to rendering with the
+images' bytes beside messages whose image parts are the template's {"type": "image"}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from engine import ModelInfo, PromptInput
+from inference.errors import APIError
+from inference.images import ImageError, image_from_url
+
+# The most images one request may carry (each costs the vision encoder a forward).
+MAX_IMAGES = 16
+
+
+def image_parts(prompt: PromptInput) -> list[dict[str, Any]]:
+    return [
+        part
+        for message in prompt.messages or ()
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if part.get("type") == "image"
+    ]
+
+
+async def prompts_with_images(
+    prompts: Sequence[PromptInput], *, info: ModelInfo, model: str
+) -> list[PromptInput]:
+    """`prompts` with their images read and checked, ready to render (see the module's doc);
+    APIError (400) for a model without image input, too many images, or an image refused."""
+    parts = [image_parts(prompt) for prompt in prompts]
+    every = [part for found in parts for part in found]
+    if not every:
+        return list(prompts)
+    if "image" not in info.input_kinds:
+        raise APIError(
+            400,
+            f"The model '{model}' takes no images: send text only, or choose a model that "
+            "takes images (GET /v1/models lists each model's input kinds).",
+            param=every[0]["param"],
+            code="image_input_not_supported",
+        )
+    if len(every) > MAX_IMAGES:
+        raise APIError(
+            400,
+            f"A request may carry at most {MAX_IMAGES} images; this one has {len(every)}.",
+            param=every[MAX_IMAGES]["param"],
+            code="too_many_images",
+        )
+    out = []
+    for prompt, found in zip(prompts, parts, strict=True):
+        images = []
+        for part in found:
+            try:
+                images.append((await image_from_url(part["url"])).data)
+            except ImageError as exc:
+                raise APIError(400, exc.message, param=part["param"], code=exc.code) from None
+        out.append(
+            dataclasses.replace(prompt, messages=_template_messages(prompt), images=tuple(images))
+        )
+    return out
+
+
+def _template_messages(prompt: PromptInput) -> tuple[dict[str, Any], ...]:
+    """The messages as the chat template sees them: each image part {"type": "image"}."""
+    return tuple(
+        {
+            **message,
+            "content": [
+                {"type": "image"} if part.get("type") == "image" else part
+                for part in message["content"]
+            ],
+        }
+        if isinstance(message.get("content"), list)
+        else message
+        for message in prompt.messages or ()
+    )

@@ -1,0 +1,194 @@
+"""Images in prompts through the official SDKs over HTTP, on the tiny SmolVLM (tests/fixtures/
+tiny_vision.py): /v1/models says which models take images; OpenAI chat `image_url` parts (data
+URLs), Responses `input_image`, Anthropic `image` blocks (base64); the image reaches the model
+(another image answers otherwise), image tokens count in usage and a repeated image is a
+prefix-cache hit for its own team only; every refusal is a 400 in the route's own shape saying
+why (a text-only model, URL fetching off, bytes that are no image, an image where only text
+may go)."""
+
+from __future__ import annotations
+
+import base64
+
+import anthropic
+import openai
+import pytest
+
+from inference.services.registry import model_register
+from tests.fixtures.tiny_vision import build_tiny_vision_model, image_bytes
+from tests.inference.conftest import TINY
+
+VISION = "tiny-vision"
+RED, BLUE = image_bytes("red"), image_bytes("navy", mark=6)
+ASK = {"temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def look(image: bytes, text: str = "What is in this picture?") -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": text},
+                {"type": "image_url", "image_url": {"url": data_url(image), "detail": "low"}},
+            ],
+        }
+    ]
+
+
+@pytest.fixture
+def clients(live_server_url, make_key, tiny_models) -> dict[str, openai.OpenAI]:
+    model_register(name=VISION, path=str(build_tiny_vision_model()))
+
+    def client(user: str, team: str) -> openai.OpenAI:
+        key = make_key(user, team)
+        return openai.OpenAI(base_url=f"{live_server_url}/v1", api_key=key, max_retries=0)
+
+    return {"a": client("alice", "team-a"), "b": client("bob", "team-b")}
+
+
+def test_chat_answers_an_image_and_counts_and_caches_its_tokens(clients):
+    team_a, team_b = clients["a"], clients["b"]
+    kinds = {m.id: m.model_extra["input_kinds"] for m in team_a.models.list()}
+    assert kinds[VISION] == ["text", "image"] and kinds[TINY] == ["text"]
+    text_only = team_a.chat.completions.create(
+        model=VISION, messages=[{"role": "user", "content": "What is in this picture?"}], **ASK
+    )
+    first = team_a.chat.completions.create(
+        model=VISION, messages=look(RED), logprobs=True, top_logprobs=3, **ASK
+    )
+    # The image is 7 tokens: its 4 placeholders and SmolVLM's wrapper tokens around them.
+    assert first.usage.prompt_tokens == text_only.usage.prompt_tokens + 7
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - 7
+    again = team_a.chat.completions.create(
+        model=VISION, messages=look(RED), logprobs=True, top_logprobs=3, **ASK
+    )
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    other = team_a.chat.completions.create(
+        model=VISION, messages=look(BLUE), logprobs=True, top_logprobs=3, **ASK
+    )
+    top = [[t.logprob for t in c.top_logprobs] for c in first.choices[0].logprobs.content]
+    assert top != [[t.logprob for t in c.top_logprobs] for c in other.choices[0].logprobs.content]
+    # Another team sending the same image reuses nothing of team A's.
+    theirs = team_b.chat.completions.create(model=VISION, messages=look(RED), **ASK)
+    assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+    assert theirs.choices[0].message.content == first.choices[0].message.content
+    streamed = team_b.chat.completions.create(model=VISION, messages=look(RED), stream=True, **ASK)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == first.choices[0].message.content
+
+
+def test_responses_and_messages_take_images_too(clients, live_server_url, make_key):
+    chat = clients["a"].chat.completions.create(model=VISION, messages=look(RED), **ASK)
+    response = clients["a"].responses.create(
+        model=VISION,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is in this picture?"},
+                    {"type": "input_image", "image_url": data_url(RED), "detail": "auto"},
+                ],
+            }
+        ],
+        temperature=0,
+        max_output_tokens=6,
+        extra_body={"ignore_eos": True},
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    claude = anthropic.Anthropic(
+        base_url=live_server_url, api_key=make_key("carol", "team-c"), max_retries=0
+    )
+    message = claude.messages.create(
+        model=VISION,
+        max_tokens=6,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(RED).decode(),
+                        },
+                    },
+                ],
+            }
+        ],
+        extra_body={"ignore_eos": True, "temperature": 0},
+    )
+    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    assert message.content[0].text == chat.choices[0].message.content
+
+
+def test_images_the_server_cannot_take_are_refused_with_the_reason(
+    clients, live_server_url, make_key
+):
+    client = clients["a"]
+
+    def refused(model: str, messages: list[dict]) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+        return caught.value
+
+    text_model = refused(TINY, look(RED))
+    assert text_model.code == "image_input_not_supported" and TINY in text_model.message
+    fetch = refused(
+        VISION,
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+                ],
+            }
+        ],
+    )
+    assert fetch.code == "image_fetch_disabled"
+    assert fetch.param == "messages[0].content[0].image_url.url"
+    not_image = refused(VISION, look(b"just some text, not an image"))
+    assert not_image.code is not None and "image" in not_image.message.lower()
+    assistant = refused(
+        VISION,
+        [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}}],
+            },
+        ],
+    )
+    assert assistant.param == "messages[1].content[0].type"
+    claude = anthropic.Anthropic(
+        base_url=live_server_url, api_key=make_key("dan", "team-d"), max_retries=0
+    )
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(
+            model=TINY,
+            max_tokens=2,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": base64.b64encode(RED).decode(),
+                            },
+                        }
+                    ],
+                }
+            ],
+        )
+    assert caught.value.body["type"] == "error"
+    assert "takes no images" in caught.value.body["error"]["message"]
