@@ -262,6 +262,7 @@ class UsageRecord(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
+    images = models.PositiveIntegerField(default=0)  # input images (priced per image)
     reserved_tokens = models.PositiveIntegerField(default=0)
     # What the request cost, per line item, in nano-units of ORCHARD_CURRENCY (common/money.py),
     # at its model's price when it started; written when it is finished, never changed after.
@@ -311,6 +312,7 @@ class DailyUsage(models.Model):
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    images = models.PositiveBigIntegerField(default=0)
     input_cost = models.BigIntegerField(default=0)  # nano-units, as on the usage rows
     cached_input_cost = models.BigIntegerField(default=0)
     output_cost = models.BigIntegerField(default=0)

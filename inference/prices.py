@@ -34,7 +34,7 @@ class ModelPrice(models.Model):
         max_digits=14,
         decimal_places=9,
         default=0,
-        help_text="Per input image, for models that take images (none do yet).",
+        help_text="Per input image, for models that take images.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -123,6 +123,7 @@ class Intake:
         reserved_tokens: int,
         min_tokens: int | None = None,
         service_tier: str = DEFAULT_TIER,
+        images: int = 0,
     ) -> Settlement:
         """Reserve the request's tokens (with `min_tokens`, admission may grant fewer, never
         fewer than that: `Settlement.granted_tokens`); the request is metered in `service_tier`.
@@ -147,6 +148,7 @@ class Intake:
             service_tier,
             price=self.price,
             batch_id=self.batch_id,
+            images=images,
         )
         return self._settled_by
 

@@ -236,6 +236,7 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
         reserved_tokens=reserved,
         min_tokens=sized.least_tokens if sized.flexible else None,
         service_tier=service.tier,
+        images=sum(len(given.images) for given in inputs),
     )
     if settlement.granted_tokens < reserved:
         requests = sized.requests(granted=settlement.granted_tokens)

@@ -27,6 +27,7 @@ SUMS = {
     "requests": Sum("num_requests"),
     "prompt_tokens": Sum("prompt_tokens"),
     "cached_tokens": Sum("cached_tokens"),
+    "images": Sum("images"),
     "completion_tokens": Sum("completion_tokens"),
     # Nano-units of ORCHARD_CURRENCY (common/money.py), the three line items together.
     "cost": Sum(F("input_cost") + F("cached_input_cost") + F("output_cost")),

@@ -73,6 +73,7 @@ class Settlement:
     service_tier: str = DEFAULT_TIER  # the tier the request is served in, on its usage row
     price: Price = FREE  # what it is billed at: its model's price when it was admitted
     batch_id: str = ""  # a batch line's: its batch (usage rows of batches are reported apart)
+    images: int = 0  # the prompts' input images (priced per image)
     usage: Usage = field(default_factory=Usage)
     _usage_id: int | None = None
     _settled: bool = False
@@ -107,6 +108,7 @@ class Settlement:
                 reserved_tokens=self.admission.granted_tokens,
                 service_tier=self.service_tier,
                 batch_id=self.batch_id,
+                images=self.images,
             )
         )
         try:
@@ -156,6 +158,7 @@ class Settlement:
                 prompt_tokens=self.usage.prompt_tokens,
                 cached_tokens=self.usage.cached_tokens,
                 completion_tokens=self.usage.completion_tokens,
+                images=self.images,
             ).total
             await self._finish_row(
                 functools.partial(

@@ -64,6 +64,7 @@ def usage_open(
     reserved_tokens: int = 0,
     service_tier: str = DEFAULT_TIER,
     batch_id: str = "",
+    images: int = 0,
 ) -> UsageRecord:
     return _record(
         request_id=request_id,
@@ -71,6 +72,7 @@ def usage_open(
         model=model,
         endpoint=endpoint,
         reserved_tokens=reserved_tokens,
+        images=images,
         service_tier=service_tier,
         batch_id=batch_id,
         started_at=timezone.now(),
@@ -188,6 +190,7 @@ def _price(record: UsageRecord, price: Price | None) -> None:
         prompt_tokens=record.prompt_tokens,
         cached_tokens=record.cached_tokens,
         completion_tokens=record.completion_tokens,
+        images=record.images,
     )
     record.input_cost = cost.input
     record.cached_input_cost = cost.cached_input
@@ -210,6 +213,7 @@ def _roll_up(record: UsageRecord, *, sign: int) -> None:
         prompt_tokens=F("prompt_tokens") + sign * record.prompt_tokens,
         cached_tokens=F("cached_tokens") + sign * record.cached_tokens,
         completion_tokens=F("completion_tokens") + sign * record.completion_tokens,
+        images=F("images") + sign * record.images,
         input_cost=F("input_cost") + sign * record.input_cost,
         cached_input_cost=F("cached_input_cost") + sign * record.cached_input_cost,
         output_cost=F("output_cost") + sign * record.output_cost,

@@ -9,13 +9,18 @@ may go)."""
 from __future__ import annotations
 
 import base64
+import datetime
+from decimal import Decimal
 
 import anthropic
 import openai
 import pytest
 
+from inference.models import DailyUsage, ModelEntry
+from inference.prices import ModelPrice
 from inference.services.registry import model_register
 from tests.fixtures.tiny_vision import build_tiny_vision_model, image_bytes
+from tests.inference.api.test_chat import finished_row
 from tests.inference.conftest import TINY
 
 VISION = "tiny-vision"
@@ -192,3 +197,26 @@ def test_images_the_server_cannot_take_are_refused_with_the_reason(
         )
     assert caught.value.body["type"] == "error"
     assert "takes no images" in caught.value.body["error"]["message"]
+
+
+def test_images_are_metered_on_the_usage_row_priced_per_image(clients):
+    ModelPrice.objects.create(
+        model=ModelEntry.objects.get(name=VISION),
+        effective_from=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
+        input_per_million=Decimal("0"),
+        output_per_million=Decimal("0"),
+        per_image=Decimal("0.01"),
+    )
+    client = clients["a"]
+    two = look(RED)
+    two[0]["content"].append({"type": "image_url", "image_url": {"url": data_url(BLUE)}})
+    raw = client.chat.completions.with_raw_response.create(model=VISION, messages=two, **ASK)
+    row = finished_row(raw.headers["x-request-id"])
+    assert row.images == 2
+    assert row.input_cost == 2 * 10_000_000  # 0.01 a image, in nano-units
+    text = client.chat.completions.with_raw_response.create(
+        model=VISION, messages=[{"role": "user", "content": "hi"}], **ASK
+    )
+    assert finished_row(text.headers["x-request-id"]).images == 0
+    daily = DailyUsage.objects.filter(model=VISION, api_key_id=row.api_key_id)
+    assert sum(d.images for d in daily) == 2
