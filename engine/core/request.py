@@ -81,6 +81,9 @@ class Request:
     # at their placeholders), which its prefill chunks are fed instead of ids.
     image_key_ids: tuple[int, ...] | None = None
     embeddings: Any = None
+    # Memory its prefill holds beyond its cache (an image request's vision tower forward),
+    # which the memory budget counts while it prefills.
+    prefill_bytes: int = 0
 
     @property
     def request_id(self) -> str:

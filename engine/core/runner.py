@@ -44,7 +44,7 @@ from engine.core.request import Request, Sequence
 from engine.core.sampled import Sampled, collect, result_arrays
 from engine.core.sampling import SampleResult
 from engine.core.scheduler import PrefillChunk, SchedulerOutput
-from engine.models.vision import VisionEncoder
+from engine.models.vision import KEY_BASE, VisionEncoder
 from engine.protocol import RequestStatus
 
 # Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
@@ -334,8 +334,10 @@ class BatchRunner:
         if hit is not None and not request.num_preemptions:
             # (A resumed request finds its own state: not what `cached_tokens` reports.)
             request.num_cached_tokens = hit.length
-        room = request.num_prefill_tokens - (hit.length if hit is not None else 0)
-        if request.spec.images:
+        start = hit.length if hit is not None else 0
+        room = request.num_prefill_tokens - start
+        if request.spec.images and any(t >= KEY_BASE for t in request.prompt_token_ids[start:]):
+            # (A hit past every image needs no encoder: the rest is text, fed by id.)
             request.embeddings = self._embeddings(request)
         return start_cache(self.model, self.prefix_cache, hit, room, self.quant)
 

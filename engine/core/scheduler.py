@@ -369,6 +369,10 @@ class Scheduler(Preemption):
         # request's length, as its own.
         more = max(0, num_seqs - len(lengths)) + len(request.sequences)
         need = self.memory.need(lengths + [request.num_prompt_tokens + request.max_tokens] * more)
+        # What prompts hold while they prefill beyond their caches (an image's vision tower).
+        need += request.prefill_bytes + sum(
+            r.prefill_bytes for r in running if r.sequences[0].is_prefilling
+        )
         cached = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
         over = need + cached - self.memory.max_bytes
         if over > 0 and cached:

@@ -63,6 +63,17 @@ class VisionEncoder:
     processor: Any
     image_token_id: int
 
+    def activation_bytes(self, num_images: int) -> int:
+        """About the most memory the vision tower's forward over `num_images` images (one
+        tile each, at the tower's size) holds at once: a layer's hidden states and MLP, and its
+        attention scores (heads × patches², float32). The memory budget counts it for an image
+        request while it prefills (engine/core/scheduler.py)."""
+        vision = self.model.config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2
+        states = patches * (2 * vision.hidden_size + vision.intermediate_size)
+        scores = vision.num_attention_heads * patches * patches
+        return num_images * 4 * (states + scores)
+
     @property
     def image_token(self) -> str:
         """The text that stands for one image in a prompt before `expand`."""

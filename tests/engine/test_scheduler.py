@@ -308,3 +308,25 @@ def test_one_slow_step_is_forgotten_within_a_few():
     for _ in range(2):
         pacer.record(SchedulerOutput(prefill=[PrefillChunk(prompt, 0, 140)]), 0.42)  # 3 ms
     assert 320 <= pacer.admission_tokens <= 340
+
+
+def test_a_prompts_prefill_memory_counts_while_it_prefills():
+    """An image request's vision tower forward (Request.prefill_bytes) counts toward the
+    memory budget while its prompt prefills, and no longer once it decodes."""
+    from engine.cache.budget import CACHE_STEP_TOKENS, MemoryBudget
+
+    step = CACHE_STEP_TOKENS
+    budget = MemoryBudget(max_bytes=3 * step * 10, bytes_per_token=10)
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, memory=budget)
+    image = request("image", 100, max_tokens=8)
+    image.prefill_bytes = 2 * step * 10
+    scheduler.add(image)
+    scheduler.schedule()  # admitted, its prompt prefills 64 tokens a step
+    assert image.sequences[0].is_prefilling
+    text = request("text", 100, max_tokens=8)
+    assert not scheduler._fits(text, scheduler.num_running_seqs)  # 1 + 2 + 1 steps > 3
+    image.sequences[0].num_computed_tokens = 100  # its prompt is in: the forward is over
+    assert scheduler._fits(text, scheduler.num_running_seqs)
+    image.sequences[0].num_computed_tokens = 0
+    image.prefill_bytes = 0  # a text prompt as long holds only its cache
+    assert scheduler._fits(text, scheduler.num_running_seqs)

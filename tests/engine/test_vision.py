@@ -101,10 +101,17 @@ def test_image_requests_batch_with_text_requests_as_they_run_alone(tiny_vlm):
     ]
 
 
-def test_the_prefix_cache_keys_images_by_their_content(tiny_vlm):
+def test_the_prefix_cache_keys_images_by_their_content(tiny_vlm, monkeypatch):
     engine = manual_engine(tiny_vlm, BatchedEngine)
+    encoded = []
+    embed = type(tiny_vlm.vision).embed
+    monkeypatch.setattr(
+        type(tiny_vlm.vision), "embed", lambda self, *a: encoded.append(1) or embed(self, *a)
+    )
     cold = drive(engine, [image_request(tiny_vlm, "cold", "Look at this:", [RED])])
+    assert len(encoded) == 1
     warm = drive(engine, [image_request(tiny_vlm, "warm", "Look at this:", [RED])])
+    assert len(encoded) == 1  # the hit covers the image: no encoder
     other = drive(engine, [image_request(tiny_vlm, "other", "Look at this:", [BLUE])])
     prompt = image_request(tiny_vlm, "x", "Look at this:", [RED]).prompt_token_ids
     first_image = prompt.index(tiny_vlm.vision.image_token_id)
@@ -115,6 +122,8 @@ def test_the_prefix_cache_keys_images_by_their_content(tiny_vlm):
     assert_same(other, "other", fresh, "fresh")
     request = engine.make_request(image_request(tiny_vlm, "k", "Look at this:", [RED]), print)
     keys = request.prompt_token_ids
+    # Its vision tower's forward counts in the memory budget while it prefills.
+    assert request.prefill_bytes == tiny_vlm.vision.activation_bytes(1) > 0
     assert all(k >= KEY_BASE for k in keys[first_image : first_image + 4])
     assert len(set(keys[first_image : first_image + 4])) == 4
 
