@@ -46,7 +46,7 @@ else
 endif
 MLX_VERSION := $(shell sed -n 's/^mlx==//p' requirements.txt)
 
-.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-prefix-disk bench-capacity bench-models bench-reports bench-batches bench-blas bench-sgemm bench-attention clean
+.PHONY: setup serve test test-deps test-interpreter lint bench-engine bench-api bench-workers bench-serve bench-speculative bench-isolation bench-fairness bench-prefix-disk bench-capacity bench-models bench-reports bench-batches bench-vision bench-blas bench-sgemm bench-attention clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -141,6 +141,11 @@ bench-reports: setup
 # A 1,000-line batch beside 4 interactive streams: their first tokens and the batch's share.
 bench-batches: setup
 	$(PY) bench/batches.py
+
+# Images: 8 concurrent image requests against mlx_vlm.server (its own venv under var/bench), and
+# a repeated image prompt warm against cold.
+bench-vision: setup
+	$(PY) bench/vision.py
 
 clean:
 	rm -rf $(VENV)

@@ -220,3 +220,40 @@ def test_images_are_metered_on_the_usage_row_priced_per_image(clients):
     assert finished_row(text.headers["x-request-id"]).images == 0
     daily = DailyUsage.objects.filter(model=VISION, api_key_id=row.api_key_id)
     assert sum(d.images for d in daily) == 2
+
+
+def test_a_server_that_fetches_image_urls_reaches_allowed_hosts_only(
+    transactional_db, make_key, tiny_models, tmp_path
+):
+    """With ORCHARD_IMAGE_FETCH on and 127.0.0.1 allowed (an intranet image host), an image URL
+    there is fetched and answered; 127.0.0.2, loopback too but not allowed, is refused before
+    any connection (the image server sees nothing)."""
+    from tests.fixtures.daphne import daphne_servers, server_env
+    from tests.inference.images.server import ImageServer
+
+    model_register(name=VISION, path=str(build_tiny_vision_model()))
+    images = ImageServer()
+    env = {
+        **server_env(),
+        "ORCHARD_IMAGE_FETCH": "1",
+        "ORCHARD_IMAGE_FETCH_ALLOWED_NETWORKS": "127.0.0.1/32",
+    }
+    key = make_key("erin", "team-e")
+    try:
+        with daphne_servers(1, env, tmp_path) as (url,):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+            def ask(image_url: str):
+                part = {"type": "image_url", "image_url": {"url": image_url}}
+                return client.chat.completions.create(
+                    model=VISION, messages=[{"role": "user", "content": [part]}], max_tokens=2
+                )
+
+            assert ask(images.url("/red.png")).usage.prompt_tokens > 7
+            assert images.paths() == ["/red.png"]
+            with pytest.raises(openai.BadRequestError) as refused:
+                ask(images.url("/red.png", host="127.0.0.2"))
+            assert refused.value.code == "image_address_not_allowed"
+            assert images.paths() == ["/red.png"]
+    finally:
+        images.close()
