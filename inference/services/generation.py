@@ -349,8 +349,9 @@ async def prompt_token_count(*, intake: Intake, call: GenerationCall) -> int:
     """How many tokens `call`'s (one) prompt renders to for its model: nothing is generated or
     reserved, but the request spent its key's limits like any other (`intake`)."""
     entry = await intake.model_entry(name=call.model, kind=ModelEntry.Kind.CHAT)
-    await _serving_model(entry)
-    rendered = await _render(intake, entry.name, call.prompts[0], call.prompt_param)
+    info = await _serving_model(entry)
+    (prompt,) = await prompts_with_images(call.prompts[:1], info=info, model=entry.name)
+    rendered = await _render(intake, entry.name, prompt, call.prompt_param)
     return len(rendered.token_ids)
 
 

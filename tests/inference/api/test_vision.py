@@ -132,6 +132,26 @@ def test_responses_and_messages_take_images_too(clients, live_server_url, make_k
     )
     assert message.usage.input_tokens == chat.usage.prompt_tokens
     assert message.content[0].text == chat.choices[0].message.content
+    counted = claude.messages.count_tokens(
+        model=VISION,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(RED).decode(),
+                        },
+                    },
+                ],
+            }
+        ],
+    )
+    assert counted.input_tokens == chat.usage.prompt_tokens  # the image's tokens included
 
 
 def test_images_the_server_cannot_take_are_refused_with_the_reason(
