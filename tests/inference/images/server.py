@@ -192,6 +192,19 @@ def tls_pair(host: str, directory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     now = datetime.datetime.now(datetime.UTC)
 
     def certificate(subject, issuer, key, signer, *, ca: bool, names=()):
+        # The extensions Python 3.13's strict verification (VERIFY_X509_STRICT) requires: key
+        # identifiers, key usage, and a critical basicConstraints on the CA.
+        usage = x509.KeyUsage(
+            digital_signature=not ca,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            key_cert_sign=ca,
+            crl_sign=ca,
+            encipher_only=False,
+            decipher_only=False,
+        )
         builder = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
@@ -201,10 +214,20 @@ def tls_pair(host: str, directory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
             .not_valid_before(now - datetime.timedelta(hours=1))
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(usage, critical=True)
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()),
+                critical=False,
+            )
         )
         if names:
             builder = builder.add_extension(
                 x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False
+            ).add_extension(
+                x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
             )
         return builder.sign(signer, hashes.SHA256())
 
