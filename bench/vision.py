@@ -292,7 +292,7 @@ def main() -> None:
     block = "\n".join(lines)
     print(block)
     if not args.no_write:
-        write_results("vision.py", f"Images in: Orchard against {PEER}", block)
+        write_results("vision.py", "Images in: Orchard against mlx_vlm.server", block)
 
 
 if __name__ == "__main__":
