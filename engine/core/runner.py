@@ -133,6 +133,7 @@ class BatchRunner:
         assert self._ahead is None, "no preemption while running ahead"
         gone = set()
         for request in requests:
+            request.embeddings = None  # computed again when it resumes
             cache = self._prefill_caches.pop(request.request_id, None)
             lead = request.sequences[0]
             if cache is not None:

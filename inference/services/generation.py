@@ -203,7 +203,10 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
     inputs = await prompts_with_images(call.prompts, info=info, model=entry.name)
     prompts = [await _render(intake, entry.name, p, call.prompt_param) for p in inputs]
     images = [
-        tuple(map(PromptImage.of, given.images, rendered.image_tokens))
+        tuple(
+            PromptImage.of(data, count)
+            for data, count in zip(given.images, rendered.image_tokens, strict=True)
+        )
         for given, rendered in zip(inputs, prompts, strict=True)
     ]
     parsing = output_parsing(call, entry, info, prompts[0].tail_text) if call.parse_output else None

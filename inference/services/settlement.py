@@ -158,7 +158,7 @@ class Settlement:
                 prompt_tokens=self.usage.prompt_tokens,
                 cached_tokens=self.usage.cached_tokens,
                 completion_tokens=self.usage.completion_tokens,
-                images=self.images,
+                images=self.images if self.usage.prompt_tokens else 0,
             ).total
             await self._finish_row(
                 functools.partial(

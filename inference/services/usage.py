@@ -190,7 +190,9 @@ def _price(record: UsageRecord, price: Price | None) -> None:
         prompt_tokens=record.prompt_tokens,
         cached_tokens=record.cached_tokens,
         completion_tokens=record.completion_tokens,
-        images=record.images,
+        # Images are billed once the prompt ran (a request refused or cancelled while it
+        # waited read none of them).
+        images=record.images if record.prompt_tokens else 0,
     )
     record.input_cost = cost.input
     record.cached_input_cost = cost.cached_input

@@ -323,3 +323,30 @@ def test_totals_per_team_and_key_come_from_roll_ups():
     )
     assert [row["team_id"] for row in narrowed["teams"]] == [other.team_id]
     assert narrowed["keys"] is None
+
+
+@pytest.mark.django_db
+def test_images_are_billed_only_when_the_prompt_ran():
+    from decimal import Decimal
+
+    from inference.models import ModelEntry
+    from inference.prices import ModelPrice
+    from inference.services.usage import usage_finish, usage_open
+
+    entry = ModelEntry.objects.create(name="vision-priced", path="/x")
+    ModelPrice.objects.create(
+        model=entry,
+        effective_from=timezone.now() - timedelta(days=1),
+        input_per_million=Decimal("0"),
+        output_per_million=Decimal("0"),
+        per_image=Decimal("0.01"),
+    )
+    key = ApiKeyFactory()
+    ran = usage_open(request_id="r1", api_key=key, model=entry.name, endpoint="chat", images=2)
+    usage_finish(record_id=ran.pk, status=UsageRecord.Status.COMPLETED, prompt_tokens=30)
+    waited = usage_open(request_id="r2", api_key=key, model=entry.name, endpoint="chat", images=2)
+    usage_finish(record_id=waited.pk, status=UsageRecord.Status.CANCELLED)
+    ran.refresh_from_db()
+    waited.refresh_from_db()
+    assert (ran.images, ran.input_cost) == (2, 2 * 10_000_000)
+    assert (waited.images, waited.input_cost) == (2, 0)
