@@ -109,47 +109,33 @@ def test_responses_and_messages_take_images_too(clients, live_server_url, make_k
     claude = anthropic.Anthropic(
         base_url=live_server_url, api_key=make_key("carol", "team-c"), max_retries=0
     )
+    claude_look = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {
+                    "type": "image",
+                    "source": {
+                        "type": "base64",
+                        "media_type": "image/png",
+                        "data": base64.b64encode(RED).decode(),
+                    },
+                },
+            ],
+        }
+    ]
     message = claude.messages.create(
         model=VISION,
         max_tokens=6,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "What is in this picture?"},
-                    {
-                        "type": "image",
-                        "source": {
-                            "type": "base64",
-                            "media_type": "image/png",
-                            "data": base64.b64encode(RED).decode(),
-                        },
-                    },
-                ],
-            }
-        ],
+        messages=claude_look,
         extra_body={"ignore_eos": True, "temperature": 0},
     )
     assert message.usage.input_tokens == chat.usage.prompt_tokens
     assert message.content[0].text == chat.choices[0].message.content
     counted = claude.messages.count_tokens(
         model=VISION,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "What is in this picture?"},
-                    {
-                        "type": "image",
-                        "source": {
-                            "type": "base64",
-                            "media_type": "image/png",
-                            "data": base64.b64encode(RED).decode(),
-                        },
-                    },
-                ],
-            }
-        ],
+        messages=claude_look,
     )
     assert counted.input_tokens == chat.usage.prompt_tokens  # the image's tokens included
 
