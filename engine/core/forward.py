@@ -22,6 +22,7 @@ from engine.cache.mlx_caches import Cache, make_cache
 from engine.core.request import Sequence
 from engine.core.sampled import Sampled, collect, result_arrays, sample_rows
 from engine.core.sampling import SampleResult
+from engine.models import mrope
 
 
 def prefill(
@@ -107,7 +108,8 @@ def decode(
     """One decode step of `seqs` (the rows of `cache`), fed their last tokens or `inputs`."""
     if inputs is None:
         inputs = mx.array([seq.token_at(seq.num_tokens - 1) for seq in seqs])
-    logits = model(inputs[:, None], cache=cache)[:, -1, :]
+    with mrope.rows(model, seqs):
+        logits = model(inputs[:, None], cache=cache)[:, -1, :]
     result = sample_rows(logits, seqs, num_ahead)
     mx.async_eval(result_arrays(result))
     return result

@@ -271,7 +271,9 @@ class EngineLoop:
                 [image.digest for image in spec.images],
                 self.loaded.vision.image_token_id,
             )
-            request.prefill_bytes = self.loaded.vision.activation_bytes(len(spec.images))
+            request.prefill_bytes = self.loaded.vision.activation_bytes(
+                [image.num_tokens for image in spec.images]
+            )
         if self.prefix_cache is not None and self.prefix_cache.hybrid:
             # Only the recurrent state needs taking at a boundary; attention layers' keys and
             # values are cut from anywhere.

@@ -44,6 +44,7 @@ from engine.core.request import Request, Sequence
 from engine.core.sampled import Sampled, collect, result_arrays
 from engine.core.sampling import SampleResult
 from engine.core.scheduler import PrefillChunk, SchedulerOutput
+from engine.models import mrope
 from engine.models.vision import KEY_BASE, VisionEncoder
 from engine.protocol import RequestStatus
 
@@ -74,6 +75,10 @@ class _Prefilled:
 
 def _span(embeddings: mx.array | None, start: int, end: int) -> mx.array | None:
     return None if embeddings is None else embeddings[:, start:end]
+
+
+def _columns(table: mx.array | None, start: int, end: int) -> mx.array | None:
+    return None if table is None else table[:, start:end]
 
 
 class BatchRunner:
@@ -222,7 +227,8 @@ class BatchRunner:
                 # rows' rejected positions leave the cache before other rows join it; no
                 # running ahead past such a step.
                 rows = list(self._rows)
-                verify = decode_drafts(self._last_logits, rows, self._cache, plan.drafts)
+                with mrope.rows(self.model, rows):
+                    verify = decode_drafts(self._last_logits, rows, self._cache, plan.drafts)
                 verified = accept_drafts(verify, self._cache, plan.accepted)
             elif self._rows and not paused:
                 batches.append((list(self._rows), decode(self.model, self._rows, self._cache, 0)))
@@ -281,37 +287,41 @@ class BatchRunner:
             end = chunk.start + chunk.num_tokens
             prompt = request.prefill_token_ids
             embeddings = request.embeddings  # a prompt with images: fed by embedding
+            table = request.positions  # and on an M-RoPE model, at its images' positions
             if not chunk.completes_prompt:
-                prefill(
-                    self.model,
-                    cache,
-                    prompt[chunk.start : end],
-                    _span(embeddings, chunk.start, end),
-                )
+                with mrope.prompt(self.model, _columns(table, chunk.start, end)):
+                    prefill(
+                        self.model,
+                        cache,
+                        prompt[chunk.start : end],
+                        _span(embeddings, chunk.start, end),
+                    )
                 if end in request.checkpoints:
                     self._remember(request, prompt[:end], cache)
                 continue
             del self._prefill_caches[request.request_id]
-            request.embeddings = None
+            request.embeddings = request.positions = None
             seqs = request.live_sequences()
             if self.hybrid:
-                prefill(
-                    self.model,
-                    cache,
-                    prompt[chunk.start : end - 1],
-                    _span(embeddings, chunk.start, end - 1),
-                )
+                with mrope.prompt(self.model, _columns(table, chunk.start, end - 1)):
+                    prefill(
+                        self.model,
+                        cache,
+                        prompt[chunk.start : end - 1],
+                        _span(embeddings, chunk.start, end - 1),
+                    )
                 self._remember(request, prompt[: end - 1], cache)
                 done.joining += seqs
                 joining_caches += [cache] * len(seqs)
                 continue
             tokens = mx.array(prompt[chunk.start : end])[None]
-            logits = self._last_logits(
-                tokens,
-                cache,
-                [end - chunk.start - 1],
-                embeddings=_span(embeddings, chunk.start, end),
-            )
+            with mrope.prompt(self.model, _columns(table, chunk.start, end)):
+                logits = self._last_logits(
+                    tokens,
+                    cache,
+                    [end - chunk.start - 1],
+                    embeddings=_span(embeddings, chunk.start, end),
+                )
             self._remember(request, prompt, cache)
             done.sampled.append((seqs, sample_first(logits, seqs)))
             sampled_caches += [cache] * len(seqs)
@@ -337,21 +347,35 @@ class BatchRunner:
             request.num_cached_tokens = hit.length
         start = hit.length if hit is not None else 0
         room = request.num_prefill_tokens - start
-        if request.spec.images and any(t >= KEY_BASE for t in request.prompt_token_ids[start:]):
-            # (A hit past every image needs no encoder: the rest is text, fed by id.)
-            request.embeddings = self._embeddings(request)
+        if request.spec.images:
+            self._images(request, start)
         return start_cache(self.model, self.prefix_cache, hit, room, self.quant)
 
-    def _embeddings(self, request: Request) -> mx.array:
-        """A prompt with images as the model's input embeddings (its images' features at their
-        placeholders), and, resumed after a preemption, the tokens it had generated."""
+    def _images(self, request: Request, start: int) -> None:
+        """A prompt with images, prefilling from `start`: its input embeddings (its images'
+        features at their placeholders; the tokens it had generated, resumed after a
+        preemption) unless a prefix hit covered every image (the rest is text, fed by id, and
+        the encoder does not run); and on an M-RoPE model its positions and decode shift."""
         images = [image.data for image in request.spec.images]
-        embeddings = self.vision.embed(request.spec.prompt_token_ids, images)
-        if request.resumed_token_ids:
-            tokens = mx.array(request.resumed_token_ids)[None]
-            generated = self.vision.model.language_model.embed_tokens(tokens)
-            embeddings = mx.concatenate([embeddings, generated.astype(embeddings.dtype)], axis=1)
-        return embeddings
+        prompt = request.spec.prompt_token_ids
+        where = None
+        if any(t >= KEY_BASE for t in request.prompt_token_ids[start:]):
+            embeddings, where = self.vision.embed(prompt, images)
+            if request.resumed_token_ids:
+                tokens = mx.array(request.resumed_token_ids)[None]
+                generated = self.vision.model.language_model.embed_tokens(tokens)
+                embeddings = mx.concatenate(
+                    [embeddings, generated.astype(embeddings.dtype)], axis=1
+                )
+            request.embeddings = embeddings
+        elif self.vision.mrope:
+            where = self.vision.positions(prompt, images)
+        if where is not None:
+            table, request.rope_delta = where
+            if request.resumed_token_ids:  # generated text: its index plus the shift
+                after = mx.arange(len(prompt), request.num_prefill_tokens) + request.rope_delta
+                table = mx.concatenate([table, mx.broadcast_to(after, (3, after.size))], axis=1)
+            request.positions = table
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> tuple[Cache, mx.array | None]:
         """Prefill the rest of several prompts as one padded batch, each from where its cache

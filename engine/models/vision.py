@@ -10,8 +10,10 @@ image's placeholder tokens carrying that image's features. The runner feeds a re
 chunks those embeddings (engine/core/runner.py); its last prompt token, a text token, joins the
 decode batch by id.
 
-Supported: SmolVLM and Idefics3 (`smolvlm`, `idefics3`: a Llama decoder, plain positions).
-Other mlx-vlm architectures fail the load with a sentence saying which are supported.
+Supported: SmolVLM and Idefics3 (`smolvlm`, `idefics3`: a Llama decoder, plain positions), and
+Qwen2-VL and Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`: a Qwen2 decoder whose rotary positions follow
+each image's grid, engine/models/mrope.py). Other mlx-vlm architectures fail the load with a
+sentence saying which are supported.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from engine.models import mrope
 from engine.protocol import InvalidRequestError, RenderedPrompt
 
 # mlx-vlm's text decoders Orchard maps onto an mlx-lm model (model_type -> mlx-lm module).
-TEXT_MODELS = {"smolvlm": "llama", "idefics3": "llama"}
+TEXT_MODELS = {"smolvlm": "llama", "idefics3": "llama", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+# The processor's outputs an encoder reads besides the token ids.
+PIXEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
 
 
 class VisionModelError(ValueError):
@@ -62,17 +67,31 @@ class VisionEncoder:
     model: nn.Module
     processor: Any
     image_token_id: int
+    # Whether the language model's positions follow the images' grids (M-RoPE): then a
+    # prompt with images carries its positions (`positions`) into its prefill and decode.
+    mrope: bool = False
 
-    def activation_bytes(self, num_images: int) -> int:
-        """About the most memory the vision tower's forward over `num_images` images (one
-        tile each, at the tower's size) holds at once: a layer's hidden states and MLP, and its
-        attention scores (heads × patches², float32). The memory budget counts it for an image
-        request while it prefills (engine/core/scheduler.py)."""
+    def activation_bytes(self, image_tokens: Sequence[int]) -> int:
+        """About the most memory the vision tower's forward over images of `image_tokens`
+        placeholder tokens each holds at once: a layer's hidden states and MLP over the images'
+        patches, and its attention scores (heads × patches², float32; every image's patches
+        together, as a full-attention layer may see them). The memory budget counts it for an
+        image request while it prefills (engine/core/scheduler.py)."""
         vision = self.model.config.vision_config
-        patches = (vision.image_size // vision.patch_size) ** 2
-        states = patches * (2 * vision.hidden_size + vision.intermediate_size)
-        scores = vision.num_attention_heads * patches * patches
-        return num_images * 4 * (states + scores)
+        heads = getattr(vision, "num_attention_heads", None) or vision.num_heads
+        merge = getattr(vision, "spatial_merge_size", None)
+        if merge:  # Qwen-VL: one placeholder per merge × merge patches
+            groups = [sum(image_tokens) * merge * merge]
+        else:  # SmolVLM: tiles of the tower's size, each attending within itself
+            patches = (vision.image_size // vision.patch_size) ** 2
+            per_tile = max(1, patches // (self.model.config.scale_factor**2))
+            tiles = sum(-(-tokens // per_tile) for tokens in image_tokens)
+            groups = [patches] * tiles
+        width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL: embed_dim
+        mlp = getattr(vision, "intermediate_size", None) or int(width * vision.mlp_ratio)
+        states = sum(groups) * (2 * width + mlp)
+        scores = heads * max(groups, default=0) ** 2 * (1 if merge else len(groups))
+        return 4 * (states + scores)
 
     @property
     def image_token(self) -> str:
@@ -115,9 +134,12 @@ class VisionEncoder:
         inputs = self.processor(text=[self.image_token * len(pictures)], images=[pictures])
         return sum(int(t) == self.image_token_id for t in inputs["input_ids"][0])
 
-    def embed(self, token_ids: Sequence[int], images: Sequence[bytes]) -> mx.array:
+    def embed(
+        self, token_ids: Sequence[int], images: Sequence[bytes]
+    ) -> tuple[mx.array, tuple[mx.array, int] | None]:
         """Input embeddings (1, len(token_ids), hidden) of a prompt whose placeholder tokens are
-        its images' (`expand`'s); ValueError when the counts disagree."""
+        its images' (`expand`'s), and on an M-RoPE model its positions (`positions`);
+        ValueError when the counts disagree."""
         inputs = self.processor(text=[self.image_token * len(images)], images=[_pictures(images)])
         expected = sum(int(t) == self.image_token_id for t in inputs["input_ids"][0])
         found = sum(t == self.image_token_id for t in token_ids)
@@ -126,13 +148,30 @@ class VisionEncoder:
                 f"the prompt has {found} image placeholder tokens where its "
                 f"{len(images)} image(s) need {expected}"
             )
-        pixels = {
-            key: mx.array(inputs[key])
-            for key in ("pixel_values", "pixel_attention_mask")
-            if inputs.get(key) is not None
-        }
+        pixels = {key: mx.array(inputs[key]) for key in PIXEL_INPUTS if inputs.get(key) is not None}
         features = self.model.get_input_embeddings(mx.array(list(token_ids))[None], **pixels)
-        return features.inputs_embeds
+        if not self.mrope:
+            return features.inputs_embeds, None
+        return features.inputs_embeds, _table(features.position_ids, features.rope_deltas)
+
+    def positions(
+        self, token_ids: Sequence[int], images: Sequence[bytes]
+    ) -> tuple[mx.array, int] | None:
+        """On an M-RoPE model, a prompt's positions (3, len(token_ids)): time, height and width
+        (equal for text), each image's along its grid; and the shift of every token after the
+        prompt (its position minus its index). None on other models."""
+        if not self.mrope:
+            return None
+        pictures = _pictures(images)
+        grid = self.processor.image_processor(images=pictures)["image_grid_thw"]
+        table, delta = self.model.language_model.get_rope_index(
+            mx.array(list(token_ids))[None], mx.array(grid)
+        )
+        return _table(table, delta)
+
+
+def _table(position_ids: mx.array, deltas: mx.array) -> tuple[mx.array, int]:
+    return position_ids[:, 0, :].astype(mx.int32), int(deltas.reshape(-1)[0].item())
 
 
 # Prefix-cache keys of image positions: ids above any vocabulary's (token ids are below 2**31),
@@ -218,7 +257,10 @@ def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, Vi
     token_id = config.get("image_token_id", config.get("image_token_index"))
     if token_id is None:
         token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return text, VisionEncoder(vlm, processor, int(token_id))
+    uses_mrope = model_type in mrope.MROPE_MODELS
+    if uses_mrope:
+        mrope.install(text, vlm)
+    return text, VisionEncoder(vlm, processor, int(token_id), mrope=uses_mrope)
 
 
 def _text_model(vlm: nn.Module, config: dict[str, Any], module_name: str) -> nn.Module:
@@ -227,15 +269,22 @@ def _text_model(vlm: nn.Module, config: dict[str, Any], module_name: str) -> nn.
 
     module = importlib.import_module(f"mlx_lm.models.{module_name}")
     language = vlm.language_model
+    # (The text decoder's settings: SmolVLM's language model keeps them as `config`, Qwen's as
+    # `args`, its `config` being the whole model's.)
+    settings = next(
+        c for c in (getattr(language, "args", None), language.config) if hasattr(c, "hidden_size")
+    )
     text_config = {
-        **{k: v for k, v in vars(language.config).items() if not k.startswith("_")},
+        **{k: v for k, v in vars(settings).items() if not k.startswith("_")},
         "model_type": module_name,
         # Idefics3's decoder always has its own output projection.
         "tie_word_embeddings": not hasattr(language, "lm_head"),
     }
+    if (text_config.get("rope_scaling") or {}).get("type") == "mrope":
+        text_config["rope_scaling"] = None  # plain rope for text; M-RoPE: engine/models/mrope.py
     model = module.Model(module.ModelArgs.from_dict(text_config))
     weights = {
-        name if name.startswith("lm_head.") else f"model.{name}": array
+        name if name.startswith(("lm_head.", "model.")) else f"model.{name}": array
         for name, array in tree_flatten(language.parameters())
     }
     quantization = config.get("quantization")

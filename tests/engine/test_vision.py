@@ -1,4 +1,5 @@
-"""Image prompts in the engine (engine/models/vision.py), on a tiny SmolVLM with the real Qwen3
+"""Image prompts in the engine (engine/models/vision.py), on a tiny SmolVLM and a tiny Qwen2.5-VL
+(whose positions follow its images' grids: engine/models/mrope.py), each with the real Qwen3
 tokenizer and a real processor configuration (tests/fixtures/tiny_vision.py).
 
 The loader serves the language model as mlx-lm's, on the encoder's own arrays; an image request
@@ -6,7 +7,9 @@ prefills from its input embeddings (the images' features at their placeholders) 
 decodes in the continuous batch beside text requests with greedy output and logprobs identical
 to alone; the prefix cache keys image positions by the image's content (a repeated image is a
 hit, another image at the same place is not); a preempted image request resumes token for
-token; requests with images a model cannot read are refused before they run.
+token; requests with images a model cannot read are refused before they run. On Qwen2.5-VL the
+engine's greedy tokens are the ones mlx-vlm's own model gives at the positions its
+`get_rope_index` assigns (images along their grids, the text after them shifted).
 """
 
 from __future__ import annotations
@@ -20,27 +23,48 @@ import pytest
 
 from engine.core.batched import BatchedEngine
 from engine.core.simple import SimpleEngine
+from engine.models import mrope
 from engine.models.loader import LoadedModel, load_model
 from engine.models.vision import KEY_BASE, VisionModelError
 from engine.protocol import GenerationRequest, InvalidRequestError, PromptImage, ServiceClass
 from tests.engine.conftest import drive, greedy, manual_engine, run_batched
 from tests.engine.test_prefix_identity import assert_same, tokens
-from tests.fixtures.tiny_vision import IMAGE_TOKEN, build_tiny_vision_model, image_bytes
+from tests.fixtures.tiny_vision import (
+    IMAGE_TOKEN,
+    build_tiny_qwen_vision_model,
+    build_tiny_vision_model,
+    image_bytes,
+)
 
 MAX_TOKENS = 8
 RED, BLUE, GREEN = image_bytes("red"), image_bytes("navy", mark=6), image_bytes("green", (20, 64))
 
 
-@pytest.fixture(scope="module")
-def tiny_vlm() -> LoadedModel:
-    return load_model(build_tiny_vision_model(), name="tiny-vlm")
+BUILDERS = {"smolvlm": build_tiny_vision_model, "qwen2_5_vl": build_tiny_qwen_vision_model}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def tiny_vlm(request) -> LoadedModel:
+    return load_model(BUILDERS[request.param](), name="tiny-vlm")
+
+
+@pytest.fixture(scope="module", params=["2.5", "2"])
+def tiny_qwen_vlm(request) -> LoadedModel:
+    return load_model(build_tiny_qwen_vision_model(version=request.param), name="tiny-qwen-vlm")
+
+
+def image_mark(loaded: LoadedModel) -> str:
+    """What the model's chat template writes for one image."""
+    if loaded.vision.mrope:  # Qwen-VL
+        return f"<|vision_start|>{IMAGE_TOKEN}<|vision_end|>"
+    return IMAGE_TOKEN
 
 
 def image_request(
     loaded: LoadedModel, rid: str, text: str, images: list[bytes], tier: str | None = None
 ) -> GenerationRequest:
     prompt = (
-        f"<|im_start|>user\n{text}{IMAGE_TOKEN * len(images)} What is this?<|im_end|>\n"
+        f"<|im_start|>user\n{text}{image_mark(loaded) * len(images)} What is this?<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     ids, counts = loaded.vision.expand(prompt, images)
@@ -64,18 +88,31 @@ def text_request(loaded: LoadedModel, rid: str, length: int, seed: int) -> Gener
 
 def test_the_loader_serves_mlx_lms_language_model_on_the_encoders_arrays(tiny_vlm):
     assert tiny_vlm.info.input_kinds == ("text", "image")
-    assert type(tiny_vlm.model).__module__ == "mlx_lm.models.llama"
     vision = tiny_vlm.vision
+    expected = "qwen2" if vision.mrope else "llama"
+    assert type(tiny_vlm.model).__module__ == f"mlx_lm.models.{expected}"
     ours = tiny_vlm.model.model.embed_tokens.weight
-    assert ours is vision.model.language_model.embed_tokens.weight  # shared, not copied
+    theirs = vision.model.language_model
+    assert ours is getattr(theirs, "model", theirs).embed_tokens.weight  # shared, not copied
     request = image_request(tiny_vlm, "a", "Look:", [RED])
-    assert sum(t == vision.image_token_id for t in request.prompt_token_ids) == 4
-    assert request.images[0].num_tokens == 4
-    embeddings = vision.embed(request.prompt_token_ids, [RED])
+    count = request.images[0].num_tokens
+    assert sum(t == vision.image_token_id for t in request.prompt_token_ids) == count
+    assert count == (6 if vision.mrope else 4)  # Qwen: 56x84 px in 28 px cells; SmolVLM: 4
+    embeddings, where = vision.embed(request.prompt_token_ids, [RED])
     ids = mx.array(request.prompt_token_ids)[None]
-    theirs = vision.model.language_model(ids, inputs_embeds=embeddings).logits
-    mine = tiny_vlm.model(ids, input_embeddings=embeddings)
-    assert mx.allclose(mine, theirs, rtol=1e-4, atol=1e-4).item()
+    table = None
+    if vision.mrope:
+        table, delta = where
+        assert delta < 0 and (table[0] != table[1]).any().item()  # positions along the grid
+        again, shift = vision.positions(request.prompt_token_ids, [RED])  # without the tower
+        assert shift == delta and mx.array_equal(again, table).item()
+        expected = theirs(ids, inputs_embeds=embeddings, position_ids=table[:, None, :]).logits
+    else:
+        assert where is None
+        expected = theirs(ids, inputs_embeds=embeddings).logits
+    with mrope.prompt(tiny_vlm.model, table):
+        mine = tiny_vlm.model(ids, input_embeddings=embeddings)
+    assert mx.allclose(mine, expected, rtol=1e-4, atol=1e-4).item()
 
 
 def test_image_requests_batch_with_text_requests_as_they_run_alone(tiny_vlm):
@@ -123,9 +160,10 @@ def test_the_prefix_cache_keys_images_by_their_content(tiny_vlm, monkeypatch):
     request = engine.make_request(image_request(tiny_vlm, "k", "Look at this:", [RED]), print)
     keys = request.prompt_token_ids
     # Its vision tower's forward counts in the memory budget while it prefills.
-    assert request.prefill_bytes == tiny_vlm.vision.activation_bytes(1) > 0
-    assert all(k >= KEY_BASE for k in keys[first_image : first_image + 4])
-    assert len(set(keys[first_image : first_image + 4])) == 4
+    count = request.spec.images[0].num_tokens
+    assert request.prefill_bytes == tiny_vlm.vision.activation_bytes([count]) > 0
+    assert all(k >= KEY_BASE for k in keys[first_image : first_image + count])
+    assert len(set(keys[first_image : first_image + count])) == count
 
 
 def test_a_preempted_image_request_resumes_token_for_token(tiny_vlm):
@@ -162,7 +200,7 @@ def test_requests_with_images_a_model_cannot_read_are_refused(tiny_vlm, tiny_lla
     )
     with pytest.raises(InvalidRequestError, match="placeholder"):
         engine.check(lying)
-    extra = dataclasses.replace(request, images=(*request.images, PromptImage.of(BLUE, 4)))
+    extra = dataclasses.replace(request, images=(*request.images, PromptImage.of(BLUE, 2)))
     with pytest.raises(InvalidRequestError, match="placeholder"):
         engine.check(extra)
     # Images travel to remote workers with their requests.
@@ -173,5 +211,45 @@ def test_a_vision_architecture_orchard_cannot_serve_fails_its_load(tmp_path):
     folder = shutil.copytree(build_tiny_vision_model(), tmp_path / "llava")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
-    with pytest.raises(VisionModelError, match="not supported yet; supported: idefics3, smolvlm"):
+    supported = "idefics3, qwen2_5_vl, qwen2_vl, smolvlm"
+    with pytest.raises(VisionModelError, match=f"not supported yet; supported: {supported}"):
         load_model(folder)
+
+
+def test_an_mrope_model_decodes_at_the_positions_its_images_give(tiny_qwen_vlm):
+    """Greedy tokens of image requests of several grids (each shifting its later positions by
+    its own delta), batched with a text request in chunks that cut through the images, are
+    mlx-vlm's own model's: whole forwards at the positions its `get_rope_index` assigns, each
+    generated token at its index plus the prompt's delta."""
+    loaded, vision = tiny_qwen_vlm, tiny_qwen_vlm.vision
+    requests = [
+        image_request(loaded, "red", "Look at this:", [RED]),
+        image_request(loaded, "two", "Compare", [GREEN, BLUE]),
+        text_request(loaded, "text", 11, seed=4),
+        image_request(loaded, "green", "And this one?", [GREEN]),
+    ]
+    together = run_batched(loaded, requests, join_at=[0, 0, 1, 3], max_num_batched_tokens=6)
+    deltas = set()
+    for request in requests:
+        images = [image.data for image in request.images]
+        ids = list(request.prompt_token_ids)
+        if images:
+            embeddings, (table, delta) = vision.embed(ids, images)
+        else:
+            embeddings = vision.model.language_model.model.embed_tokens(mx.array(ids)[None])
+            table, delta = mx.broadcast_to(mx.arange(len(ids)), (3, len(ids))), 0
+        deltas.add(delta)
+        expected = []
+        for _ in range(MAX_TOKENS):
+            out = vision.model.language_model(
+                mx.array(ids)[None], inputs_embeds=embeddings, position_ids=table[:, None, :]
+            )
+            token = int(mx.argmax(out.logits[0, -1]).item())
+            expected.append(token)
+            ids.append(token)
+            step = vision.model.language_model.model.embed_tokens(mx.array([[token]]))
+            embeddings = mx.concatenate([embeddings, step], axis=1)
+            position = mx.full((3, 1), len(ids) - 1 + delta, dtype=table.dtype)
+            table = mx.concatenate([table, position], axis=1)
+        assert together.tokens(request.request_id) == expected, request.request_id
+    assert len(deltas) >= 3  # 0 for text, and the images' own shifts

@@ -1,10 +1,10 @@
-"""Images in prompts through the official SDKs over HTTP, on the tiny SmolVLM (tests/fixtures/
-tiny_vision.py): /v1/models says which models take images; OpenAI chat `image_url` parts (data
-URLs), Responses `input_image`, Anthropic `image` blocks (base64); the image reaches the model
-(another image answers otherwise), image tokens count in usage and a repeated image is a
-prefix-cache hit for its own team only; every refusal is a 400 in the route's own shape saying
-why (a text-only model, URL fetching off, bytes that are no image, an image where only text
-may go)."""
+"""Images in prompts through the official SDKs over HTTP, on the tiny SmolVLM and the tiny
+Qwen2.5-VL (tests/fixtures/tiny_vision.py): /v1/models says which models take images; OpenAI
+chat `image_url` parts (data URLs), Responses `input_image`, Anthropic `image` blocks (base64);
+the image reaches the model (another image answers otherwise), image tokens count in usage and a
+repeated image is a prefix-cache hit for its own team only; every refusal is a 400 in the
+route's own shape saying why (a text-only model, URL fetching off, bytes that are no image, an
+image where only text may go)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,11 @@ import pytest
 from inference.models import DailyUsage, ModelEntry
 from inference.prices import ModelPrice
 from inference.services.registry import model_register
-from tests.fixtures.tiny_vision import build_tiny_vision_model, image_bytes
+from tests.fixtures.tiny_vision import (
+    build_tiny_qwen_vision_model,
+    build_tiny_vision_model,
+    image_bytes,
+)
 from tests.inference.api.test_chat import finished_row
 from tests.inference.conftest import TINY
 
@@ -85,6 +89,55 @@ def test_chat_answers_an_image_and_counts_and_caches_its_tokens(clients):
     streamed = team_b.chat.completions.create(model=VISION, messages=look(RED), stream=True, **ASK)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert text == first.choices[0].message.content
+
+
+def test_a_qwen_vl_model_answers_images_of_any_shape_on_every_route(clients, live_server_url):
+    """Qwen2.5-VL (positions along each image's grid): two images of different shapes in one
+    message; streamed and not, chat and messages answer alike; a repeated prompt is a hit."""
+    model_register(name="tiny-qwen-vision", path=str(build_tiny_qwen_vision_model()))
+    wide = image_bytes("green", (100, 40), mark=30)
+    two = look(RED)
+    two[0]["content"].append({"type": "image_url", "image_url": {"url": data_url(wide)}})
+    team_a = clients["a"]
+    plain = team_a.chat.completions.create(
+        model="tiny-qwen-vision", messages=[{"role": "user", "content": "Hi"}], **ASK
+    )
+    first = team_a.chat.completions.create(model="tiny-qwen-vision", messages=two, **ASK)
+    # 6 and 8 placeholders (each 28 px cell of the resized images), each image between the
+    # vision start and end tokens; the text differs from "Hi" by a few tokens.
+    assert first.usage.prompt_tokens - plain.usage.prompt_tokens >= 6 + 8 + 4
+    stream = team_a.chat.completions.create(
+        model="tiny-qwen-vision", messages=two, stream=True, **ASK
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == first.choices[0].message.content
+    again = team_a.chat.completions.create(model="tiny-qwen-vision", messages=two, **ASK)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    claude = anthropic.Anthropic(base_url=live_server_url, api_key=team_a.api_key, max_retries=0)
+    blocks = [
+        {"type": "text", "text": "What is in this picture?"},
+        *(
+            {
+                "type": "image",
+                "source": {
+                    "type": "base64",
+                    "media_type": "image/png",
+                    "data": base64.b64encode(data).decode(),
+                },
+            }
+            for data in (RED, wide)
+        ),
+    ]
+    message = claude.messages.create(
+        model="tiny-qwen-vision",
+        max_tokens=6,
+        messages=[{"role": "user", "content": blocks}],
+        extra_body={"ignore_eos": True, "temperature": 0},
+    )
+    assert message.content[0].text == first.choices[0].message.content
+    usage = message.usage  # (Anthropic's input_tokens leave out what the cache read)
+    assert usage.input_tokens + usage.cache_read_input_tokens == first.usage.prompt_tokens
 
 
 def test_responses_and_messages_take_images_too(clients, live_server_url, make_key):
