@@ -154,6 +154,7 @@ class BatchedEngine(EngineLoop):
             self.runner.preempt(plan.preempted)
             if self.speculator is not None:
                 self._forget(plan.preempted)
+        self._encode(plan)
         if self.runner.running_ahead:
             plan.drafts, plan.draft_lengths = {}, {}  # this step's decode already runs
         if plan.draft_lengths:
@@ -195,6 +196,17 @@ class BatchedEngine(EngineLoop):
         self.runner.release_finished()
         self._meter.record_step(time.perf_counter() - started_at, plan, len(sampled))
 
+    def _encode(self, plan: SchedulerOutput) -> None:
+        """Run the vision tower of prompts with images starting this step, before any forward:
+        one that fails (a bug, memory) ends its own request, not the batch."""
+        for chunk in [c for c in plan.prefill if c.request.spec.images]:
+            try:
+                self.runner.encode(chunk.request)
+            except Exception as exc:
+                logger.exception("the images of request %s failed", chunk.request.request_id)
+                plan.prefill.remove(chunk)
+                self._end(chunk.request.request_id, RequestStatus.FINISHED_ERROR, describe(exc))
+
     def _draft(self, plan: SchedulerOutput) -> None:
         """The draft model's proposals for the rows the scheduler chose; a failure there costs
         this step its drafts, not anyone's request."""
@@ -224,12 +236,15 @@ class BatchedEngine(EngineLoop):
             self.draft_model.forget(seqs)
 
     def _abort(self, request_id: str) -> None:
+        self._end(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _end(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         request = self.scheduler.remove(request_id)
         if request is not None:
             if self.speculator is not None:
                 self._forget([request])
             self._drop_hit(request)
-            self.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.finish(request, status, error)
             self.runner.release(request_id)
             self.runner.release_finished()
 

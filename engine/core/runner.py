@@ -138,7 +138,7 @@ class BatchRunner:
         assert self._ahead is None, "no preemption while running ahead"
         gone = set()
         for request in requests:
-            request.embeddings = None  # computed again when it resumes
+            request.embeddings = request.positions = None  # computed again on resuming
             cache = self._prefill_caches.pop(request.request_id, None)
             lead = request.sequences[0]
             if cache is not None:
@@ -340,6 +340,16 @@ class BatchRunner:
                 )
         return done
 
+    def encode(self, request: Request) -> None:
+        """Start a prompt with images before the step's forwards (its input embeddings, the
+        vision tower run now): an encoder failure then ends this request alone (the engine
+        finishes it; its prefix hit is still the request's, for the engine to let go)."""
+        if request.request_id not in self._prefill_caches:
+            hit = request.prefix_hit
+            self._images(request, hit.length if hit is not None else 0)
+            mx.eval([a for a in (request.embeddings, request.positions) if a is not None])
+            self._prefill_caches[request.request_id] = self._start(request)
+
     def _start(self, request: Request) -> Cache:
         hit, request.prefix_hit = request.prefix_hit, None
         if hit is not None and not request.num_preemptions:
@@ -347,8 +357,6 @@ class BatchRunner:
             request.num_cached_tokens = hit.length
         start = hit.length if hit is not None else 0
         room = request.num_prefill_tokens - start
-        if request.spec.images:
-            self._images(request, start)
         return start_cache(self.model, self.prefix_cache, hit, room, self.quant)
 
     def _images(self, request: Request, start: int) -> None:

@@ -133,7 +133,11 @@ class Intake:
             self.admission.reserve(
                 reserved_tokens=reserved_tokens,
                 min_tokens=min_tokens,
-                token_cost=self.price.token_cost,
+                # (Per token of the least it may be granted, which holds the whole prompt.)
+                token_cost=self.price.reservation_cost(
+                    reserved_tokens if min_tokens is None else min(min_tokens, reserved_tokens),
+                    images,
+                ),
             ),
             api_key=self.api_key,
             model=model,

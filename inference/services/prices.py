@@ -2,10 +2,11 @@
 a request's tokens cost at it.
 
 A request is priced once, when admission finds its model (`Intake.model_entry`): that price
-sizes a money budget's reservation (its dearest token, `Price.token_cost`) and is the one its
-usage row is billed at when it is finished, so the limiter and the row always agree. Costs are
-whole nano-units of ORCHARD_CURRENCY (common/money.py) per line item: uncached input, cached
-input, output. A model without a price costs nothing.
+sizes a money budget's reservation (its dearest token and its images' price,
+`Price.reservation_cost`) and is the one its usage row is billed at when it is finished, so the
+limiter and the row always agree. Costs are whole nano-units of ORCHARD_CURRENCY
+(common/money.py) per line item: uncached input, cached input, output. A model without a price
+costs nothing.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ class Price:
         """The most one token may cost (nano-units, rounded up): what a money budget reserves
         per token of a request, an upper bound of what the request can cost."""
         return math.ceil(max(self.input, self.cached_input, self.output))
+
+    def reservation_cost(self, tokens: int, images: int = 0) -> int:
+        """What a money budget reserves per token of a request of at least `tokens` tokens
+        with `images` images: the dearest token, plus the images' price spread over those
+        tokens (rounded up), so that what the request can cost never passes its reservation."""
+        extra = images * self.image
+        return self.token_cost + (math.ceil(extra / max(1, tokens)) if extra > 0 else 0)
 
     def cost(
         self, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int, images: int = 0

@@ -253,3 +253,27 @@ def test_an_mrope_model_decodes_at_the_positions_its_images_give(tiny_qwen_vlm):
             table = mx.concatenate([table, position], axis=1)
         assert together.tokens(request.request_id) == expected, request.request_id
     assert len(deltas) >= 3  # 0 for text, and the images' own shifts
+
+
+def test_an_image_the_encoder_fails_on_ends_its_own_request_only(tiny_vlm, monkeypatch):
+    requests = [
+        image_request(tiny_vlm, "red", "Look at this:", [RED]),
+        text_request(tiny_vlm, "text", 9, seed=5),
+        image_request(tiny_vlm, "bad", "And this?", [GREEN]),
+    ]
+    alone = {r.request_id: run_batched(tiny_vlm, [r]) for r in requests[:2]}
+    embed = type(tiny_vlm.vision).embed
+
+    def failing(self, token_ids, images):
+        if GREEN in images:
+            raise MemoryError("the tower ran out of memory")
+        return embed(self, token_ids, images)
+
+    monkeypatch.setattr(type(tiny_vlm.vision), "embed", failing)
+    engine = manual_engine(tiny_vlm, BatchedEngine)
+    together = drive(engine, requests, join_at=[0, 1, 1])
+    for rid in ("red", "text"):
+        assert_same(together, rid, alone[rid], rid)
+    last = together.events[("bad", 0)][-1]
+    assert last.finish_reason == "error" and "out of memory" in last.error
+    assert not engine.runner._prefill_caches and not engine.scheduler.has_work()

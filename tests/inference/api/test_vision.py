@@ -16,6 +16,7 @@ import anthropic
 import openai
 import pytest
 
+from accounts.models import Budget, Team
 from inference.models import DailyUsage, ModelEntry
 from inference.prices import ModelPrice
 from inference.services.registry import model_register
@@ -279,6 +280,32 @@ def test_images_are_metered_on_the_usage_row_priced_per_image(clients):
     assert finished_row(text.headers["x-request-id"]).images == 0
     daily = DailyUsage.objects.filter(model=VISION, api_key_id=row.api_key_id)
     assert sum(d.images for d in daily) == 2
+
+
+def test_a_money_budget_reserves_the_images_price_before_they_run(clients):
+    """Images priced apart from tokens are reserved up front: a request whose images would
+    pass the team's money budget is refused before it runs, not billed past it."""
+    ModelPrice.objects.create(
+        model=ModelEntry.objects.get(name=VISION),
+        effective_from=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
+        input_per_million=Decimal("0"),
+        output_per_million=Decimal("0"),
+        per_image=Decimal("0.6"),
+    )
+    Budget.objects.create(
+        team=Team.objects.get(name="team-a"), scope="team", unit="money", amount=Decimal("1")
+    )
+    client = clients["a"]
+    raw = client.chat.completions.with_raw_response.create(model=VISION, messages=look(RED), **ASK)
+    assert finished_row(raw.headers["x-request-id"]).input_cost == 600_000_000
+    with pytest.raises(openai.RateLimitError) as refused:  # 0.6 spent, 0.6 more is over 1
+        client.chat.completions.create(model=VISION, messages=look(BLUE), **ASK)
+    assert "team's monthly money budget is exhausted" in refused.value.message
+    text = client.chat.completions.create(
+        model=VISION, messages=[{"role": "user", "content": "hi"}], **ASK
+    )
+    assert text.choices[0].message.content  # tokens are free: text still runs
+    assert clients["b"].chat.completions.create(model=VISION, messages=look(BLUE), **ASK).choices
 
 
 def test_a_server_that_fetches_image_urls_reaches_allowed_hosts_only(
