@@ -301,6 +301,7 @@ _TOTALS = {
     "prompt_tokens": Sum("prompt_tokens"),
     "cached_tokens": Sum("cached_tokens"),
     "completion_tokens": Sum("completion_tokens"),
+    "images": Sum("images"),
     "cost": Sum(_COST),
 }
 

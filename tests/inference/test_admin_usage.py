@@ -123,17 +123,20 @@ def test_batch_lines_are_shown_apart_in_the_totals_and_the_lists(world):
         model="m-batch",
         endpoint="/v1/chat/completions",
         batch_id="batch_xyz",
+        images=3,
     )
     usage_finish(record_id=record.pk, status="completed", prompt_tokens=10**6)
     page = totals_for(world["owner"])
     [team] = page.context["teams"]
     assert (team["num_requests"], team["batch_requests"], team["batch_cost"]) == (3, 1, 10**9)
+    assert team["images"] == 3  # images have their own column
     keys = {row["api_key__name"]: row for row in page.context["keys"]}
     assert (keys["olga-key"]["num_requests"], keys["olga-key"]["batch_requests"]) == (2, 1)
     assert (keys["mike-key"]["batch_requests"], keys["mike-key"]["batch_cost"]) == (0, 0)
     team_table = page.content.decode().split('id="team-totals"')[1].split("</table>")[0]
     assert "<th>Batch requests</th><th>Batch cost</th>" in team_table
-    assert "<td>1.00 USD</td><td>1</td><td>1.00 USD</td></tr>" in team_table
+    assert "<th>Images</th><th>Cost</th>" in team_table
+    assert "<td>3</td><td>1.00 USD</td><td>1</td><td>1.00 USD</td></tr>" in team_table
 
     admin = Client()
     admin.force_login(StaffUserFactory())
