@@ -11,6 +11,7 @@ images' bytes beside messages whose image parts are the template's {"type": "ima
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from inference.images import ImageError, image_from_url
 
 # The most images one request may carry (each costs the vision encoder a forward).
 MAX_IMAGES = 16
+# How many of one request's image URLs are fetched at once.
+FETCH_CONCURRENCY = 4
 
 
 def image_parts(prompt: PromptInput) -> list[dict[str, Any]]:
@@ -57,18 +60,43 @@ async def prompts_with_images(
             param=every[MAX_IMAGES]["param"],
             code="too_many_images",
         )
-    out = []
-    for prompt, found in zip(prompts, parts, strict=True):
-        images = []
-        for part in found:
-            try:
-                images.append((await image_from_url(part["url"])).data)
-            except ImageError as exc:
-                raise APIError(400, exc.message, param=part["param"], code=exc.code) from None
-        out.append(
-            dataclasses.replace(prompt, messages=_template_messages(prompt), images=tuple(images))
+    read = iter(await _read(every))
+    return [
+        dataclasses.replace(
+            prompt,
+            messages=_template_messages(prompt),
+            images=tuple(next(read) for _ in found),
         )
-    return out
+        for prompt, found in zip(prompts, parts, strict=True)
+    ]
+
+
+async def _read(parts: list[dict[str, Any]]) -> list[bytes]:
+    """Each part's image, read and checked, `FETCH_CONCURRENCY` at a time; the first refusal
+    (in the parts' order, of those that failed) is the request's 400 and stops the rest."""
+    gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+    async def one(index: int, part: dict[str, Any]) -> bytes:
+        async with gate:
+            try:
+                return (await image_from_url(part["url"])).data
+            except ImageError as exc:
+                raise _Refused(index, exc) from None
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(i, part)) for i, part in enumerate(parts)]
+    except* _Refused as failed:
+        first = min(failed.exceptions, key=lambda refused: refused.index)
+        part, exc = parts[first.index], first.error
+        raise APIError(400, exc.message, param=part["param"], code=exc.code) from None
+    return [task.result() for task in tasks]
+
+
+class _Refused(Exception):
+    def __init__(self, index: int, error: ImageError) -> None:
+        super().__init__(error.message)
+        self.index, self.error = index, error
 
 
 def _template_messages(prompt: PromptInput) -> tuple[dict[str, Any], ...]:

@@ -63,6 +63,8 @@ class ImageServer:
         self.seen: list[Seen] = []
         self.server_names: list[str | None] = []
         self.release = threading.Event()
+        self._lock = threading.Lock()
+        self._barriers: dict[int, threading.Barrier] = {}
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.owner = self
@@ -76,6 +78,13 @@ class ImageServer:
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
         self._thread.start()
+
+    def barrier(self, parties: int) -> threading.Barrier:
+        """One barrier per count, shared by the requests that wait on it."""
+        with self._lock:
+            if self._barriers.get(parties) is None or self._barriers[parties].broken:
+                self._barriers[parties] = threading.Barrier(parties)
+            return self._barriers[parties]
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"{self.scheme}://{host}:{self.port}{path}"
@@ -145,6 +154,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(301, b"", ("Location", "red.png"))
         elif path == "/no-location":
             self._send(302)
+        elif path == "/together.png":  # answers once `n` requests for it are in at once
+            try:
+                owner.barrier(int(query["n"][0])).wait(timeout=5)
+            except threading.BrokenBarrierError:
+                self._send(404, b"alone", ("Content-Type", "text/plain"))
+                return
+            self._send(200, PNG, ("Content-Type", "image/png"))
         elif path == "/slow-headers.png":
             owner.release.wait(5)
             self._send(200, PNG, ("Content-Type", "image/png"))

@@ -1,0 +1,54 @@
+"""A request's images read by inference/services/images.py: image URLs fetched together (a
+route of the local image server answers only once every fetch of a request is in at once), the
+images kept in the parts' order, and the first refused part (in order) named by the 400."""
+
+import base64
+import ipaddress
+
+import pytest
+
+from engine import ModelInfo, PromptInput
+from inference.errors import APIError
+from inference.services.images import FETCH_CONCURRENCY, prompts_with_images
+from tests.inference.images.server import JPEG, PNG, ImageServer
+
+VISION = ModelInfo("vision", 4096, 100, (0,), input_kinds=("text", "image"))
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ImageServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def fetching(settings):
+    settings.ORCHARD_IMAGE_FETCH = True
+    settings.ORCHARD_IMAGE_FETCH_ALLOWED_NETWORKS = [str(ipaddress.ip_network("127.0.0.1/32"))]
+
+
+def prompt(*urls: str) -> PromptInput:
+    parts = [
+        {"type": "image", "url": url, "param": f"messages[0].content[{index}]"}
+        for index, url in enumerate(urls)
+    ]
+    return PromptInput(messages=({"role": "user", "content": parts},))
+
+
+async def test_a_requests_image_urls_are_fetched_together_and_kept_in_order(server):
+    together = server.url(f"/together.png?n={FETCH_CONCURRENCY}")
+    jpeg = "data:image/jpeg;base64," + base64.b64encode(JPEG).decode()
+    first, second = prompt(together, jpeg, together), prompt(together, together)
+    [one, two] = await prompts_with_images([first, second], info=VISION, model="vision")
+    assert one.images == (PNG, JPEG, PNG) and two.images == (PNG, PNG)
+    assert one.messages[0]["content"] == [{"type": "image"}] * 3
+
+
+async def test_the_first_refused_image_in_order_is_the_requests_400(server):
+    fine = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    slow_refusal = server.url("/trickle.png") + "?then=nothing"
+    request = prompt(fine, server.url("/page.html"), server.url("/text.png"), slow_refusal)
+    with pytest.raises(APIError) as refused:
+        await prompts_with_images([request], info=VISION, model="vision")
+    assert refused.value.param == "messages[0].content[1]"
