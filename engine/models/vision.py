@@ -10,8 +10,9 @@ image's placeholder tokens carrying that image's features. The runner feeds a re
 chunks those embeddings (engine/core/runner.py); its last prompt token, a text token, joins the
 decode batch by id.
 
-Supported: SmolVLM and Idefics3 (`smolvlm`, `idefics3`: a Llama decoder, plain positions), and
-Qwen2-VL and Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`: a Qwen2 decoder whose rotary positions follow
+Supported: SmolVLM and Idefics3 (`smolvlm`, `idefics3`: a Llama decoder, plain positions), LLaVA
+(`llava`: a CLIP-style tower and a Llama or Qwen2 decoder, plain positions), and Qwen2-VL and
+Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`: a Qwen2 decoder whose rotary positions follow
 each image's grid, engine/models/mrope.py). Other mlx-vlm architectures fail the load with a
 sentence saying which are supported.
 """
@@ -38,10 +39,17 @@ from mlx.utils import tree_flatten
 from engine.models import mrope
 from engine.protocol import InvalidRequestError, RenderedPrompt
 
-# mlx-vlm's text decoders Orchard maps onto an mlx-lm model (model_type -> mlx-lm module).
-TEXT_MODELS = {"smolvlm": "llama", "idefics3": "llama", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+# mlx-vlm's text decoders Orchard maps onto an mlx-lm model (model_type -> mlx-lm module; for
+# LLaVA, whichever of its decoders the text config names).
+TEXT_MODELS = {
+    "smolvlm": "llama",
+    "idefics3": "llama",
+    "qwen2_vl": "qwen2",
+    "qwen2_5_vl": "qwen2",
+    "llava": ("llama", "qwen2"),
+}
 # The processor's outputs an encoder reads besides the token ids.
-PIXEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
+PIXEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
 
 
 class VisionModelError(ValueError):
@@ -82,9 +90,10 @@ class VisionEncoder:
         merge = getattr(vision, "spatial_merge_size", None)
         if merge:  # Qwen-VL: one placeholder per merge × merge patches
             groups = [sum(image_tokens) * merge * merge]
-        else:  # SmolVLM: tiles of the tower's size, each attending within itself
+        else:  # SmolVLM, LLaVA: tiles of the tower's size, each attending within itself
             patches = (vision.image_size // vision.patch_size) ** 2
-            per_tile = max(1, patches // (self.model.config.scale_factor**2))
+            shuffle = getattr(self.model.config, "scale_factor", 1)  # SmolVLM: pixel shuffle
+            per_tile = max(1, patches // (shuffle**2))
             tiles = sum(-(-tokens // per_tile) for tokens in image_tokens)
             groups = [patches] * tiles
         width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL: embed_dim
@@ -250,10 +259,19 @@ def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, Vi
             f"vision-language models of type {model_type!r} are not supported yet; "
             f"supported: {', '.join(sorted(TEXT_MODELS))}"
         )
+    decoder = TEXT_MODELS[model_type]
+    if isinstance(decoder, tuple):
+        named = (config.get("text_config") or {}).get("model_type", "llama")
+        if named not in decoder:
+            raise VisionModelError(
+                f"{model_type} models with a {named!r} language model are not supported yet; "
+                f"supported: {', '.join(decoder)}"
+            )
+        decoder = named
     from mlx_vlm import load as vlm_load
 
     vlm, processor = vlm_load(str(path))
-    text = _text_model(vlm, config, TEXT_MODELS[model_type])
+    text = _text_model(vlm, config, decoder)
     token_id = config.get("image_token_id", config.get("image_token_index"))
     if token_id is None:
         token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)

@@ -31,6 +31,7 @@ from tests.engine.conftest import drive, greedy, manual_engine, run_batched
 from tests.engine.test_prefix_identity import assert_same, tokens
 from tests.fixtures.tiny_vision import (
     IMAGE_TOKEN,
+    build_tiny_llava_model,
     build_tiny_qwen_vision_model,
     build_tiny_vision_model,
     image_bytes,
@@ -40,7 +41,12 @@ MAX_TOKENS = 8
 RED, BLUE, GREEN = image_bytes("red"), image_bytes("navy", mark=6), image_bytes("green", (20, 64))
 
 
-BUILDERS = {"smolvlm": build_tiny_vision_model, "qwen2_5_vl": build_tiny_qwen_vision_model}
+BUILDERS = {
+    "smolvlm": build_tiny_vision_model,
+    "qwen2_5_vl": build_tiny_qwen_vision_model,
+    "llava": build_tiny_llava_model,
+    "llava-qwen2": lambda: build_tiny_llava_model(decoder="qwen2"),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -89,7 +95,8 @@ def text_request(loaded: LoadedModel, rid: str, length: int, seed: int) -> Gener
 def test_the_loader_serves_mlx_lms_language_model_on_the_encoders_arrays(tiny_vlm):
     assert tiny_vlm.info.input_kinds == ("text", "image")
     vision = tiny_vlm.vision
-    expected = "qwen2" if vision.mrope else "llama"
+    decoder = getattr(vision.model.config.text_config, "model_type", "llama")
+    expected = "qwen2" if vision.mrope or decoder == "qwen2" else "llama"
     assert type(tiny_vlm.model).__module__ == f"mlx_lm.models.{expected}"
     ours = tiny_vlm.model.model.embed_tokens.weight
     theirs = vision.model.language_model
@@ -97,7 +104,8 @@ def test_the_loader_serves_mlx_lms_language_model_on_the_encoders_arrays(tiny_vl
     request = image_request(tiny_vlm, "a", "Look:", [RED])
     count = request.images[0].num_tokens
     assert sum(t == vision.image_token_id for t in request.prompt_token_ids) == count
-    assert count == (6 if vision.mrope else 4)  # Qwen: 56x84 px in 28 px cells; SmolVLM: 4
+    # Qwen: 56x84 px in 28 px cells; SmolVLM: 4 after its pixel shuffle; LLaVA: 16 patches.
+    assert count == {"qwen2_5_vl": 6, "smolvlm": 4, "llava": 16}[vision.model.config.model_type]
     embeddings, where = vision.embed(request.prompt_token_ids, [RED])
     ids = mx.array(request.prompt_token_ids)[None]
     table = None
@@ -208,10 +216,10 @@ def test_requests_with_images_a_model_cannot_read_are_refused(tiny_vlm, tiny_lla
 
 
 def test_a_vision_architecture_orchard_cannot_serve_fails_its_load(tmp_path):
-    folder = shutil.copytree(build_tiny_vision_model(), tmp_path / "llava")
+    folder = shutil.copytree(build_tiny_vision_model(), tmp_path / "gemma3")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
-    supported = "idefics3, qwen2_5_vl, qwen2_vl, smolvlm"
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
+    supported = "idefics3, llava, qwen2_5_vl, qwen2_vl, smolvlm"
     with pytest.raises(VisionModelError, match=f"not supported yet; supported: {supported}"):
         load_model(folder)
 
