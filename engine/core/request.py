@@ -81,10 +81,10 @@ class Request:
     # at their placeholders), which its prefill chunks are fed instead of ids.
     image_key_ids: tuple[int, ...] | None = None
     embeddings: Any = None
-    # On an M-RoPE model (engine/models/mrope.py), a prompt with images' positions while it
-    # prefills ((3, T) for its `prefill_token_ids`), and the shift of each later token's
+    # On an M-RoPE model (engine/models/mrope.py), a prompt with images' layout while it
+    # prefills (a `Layout` of its `prefill_token_ids`), and the shift of each later token's
     # position from its index, which its decode steps add (0: plain positions).
-    positions: Any = None
+    layout: Any = None
     rope_delta: int = 0
     # Memory its prefill holds beyond its cache (an image request's vision tower forward),
     # which the memory budget counts while it prefills.

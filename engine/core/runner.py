@@ -77,8 +77,8 @@ def _span(embeddings: mx.array | None, start: int, end: int) -> mx.array | None:
     return None if embeddings is None else embeddings[:, start:end]
 
 
-def _columns(table: mx.array | None, start: int, end: int) -> mx.array | None:
-    return None if table is None else table[:, start:end]
+def _columns(layout: mrope.Layout | None, start: int, end: int) -> mrope.Layout | None:
+    return None if layout is None else layout.span(start, end)
 
 
 class BatchRunner:
@@ -138,7 +138,7 @@ class BatchRunner:
         assert self._ahead is None, "no preemption while running ahead"
         gone = set()
         for request in requests:
-            request.embeddings = request.positions = None  # computed again on resuming
+            request.embeddings = request.layout = None  # computed again on resuming
             cache = self._prefill_caches.pop(request.request_id, None)
             lead = request.sequences[0]
             if cache is not None:
@@ -287,9 +287,9 @@ class BatchRunner:
             end = chunk.start + chunk.num_tokens
             prompt = request.prefill_token_ids
             embeddings = request.embeddings  # a prompt with images: fed by embedding
-            table = request.positions  # and on an M-RoPE model, at its images' positions
+            layout = request.layout  # and on an M-RoPE model, at its images' positions
             if not chunk.completes_prompt:
-                with mrope.prompt(self.model, _columns(table, chunk.start, end)):
+                with mrope.prompt(self.model, _columns(layout, chunk.start, end)):
                     prefill(
                         self.model,
                         cache,
@@ -300,10 +300,10 @@ class BatchRunner:
                     self._remember(request, prompt[:end], cache)
                 continue
             del self._prefill_caches[request.request_id]
-            request.embeddings = request.positions = None
+            request.embeddings = request.layout = None
             seqs = request.live_sequences()
             if self.hybrid:
-                with mrope.prompt(self.model, _columns(table, chunk.start, end - 1)):
+                with mrope.prompt(self.model, _columns(layout, chunk.start, end - 1)):
                     prefill(
                         self.model,
                         cache,
@@ -315,7 +315,7 @@ class BatchRunner:
                 joining_caches += [cache] * len(seqs)
                 continue
             tokens = mx.array(prompt[chunk.start : end])[None]
-            with mrope.prompt(self.model, _columns(table, chunk.start, end)):
+            with mrope.prompt(self.model, _columns(layout, chunk.start, end)):
                 logits = self._last_logits(
                     tokens,
                     cache,
@@ -347,7 +347,11 @@ class BatchRunner:
         if request.request_id not in self._prefill_caches:
             hit = request.prefix_hit
             self._images(request, hit.length if hit is not None else 0)
-            mx.eval([a for a in (request.embeddings, request.positions) if a is not None])
+            layout = request.layout
+            mx.eval(
+                [request.embeddings] if request.embeddings is not None else [],
+                [layout.table, *layout.deepstack] if layout is not None else [],
+            )
             self._prefill_caches[request.request_id] = self._start(request)
 
     def _start(self, request: Request) -> Cache:
@@ -379,11 +383,8 @@ class BatchRunner:
         elif self.vision.mrope:
             where = self.vision.positions(prompt, images)
         if where is not None:
-            table, request.rope_delta = where
-            if request.resumed_token_ids:  # generated text: its index plus the shift
-                after = mx.arange(len(prompt), request.num_prefill_tokens) + request.rope_delta
-                table = mx.concatenate([table, mx.broadcast_to(after, (3, after.size))], axis=1)
-            request.positions = table
+            layout, request.rope_delta = where
+            request.layout = layout.extended(request.num_prefill_tokens, request.rope_delta)
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> tuple[Cache, mx.array | None]:
         """Prefill the rest of several prompts as one padded batch, each from where its cache

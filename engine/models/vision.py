@@ -11,10 +11,11 @@ chunks those embeddings (engine/core/runner.py); its last prompt token, a text t
 decode batch by id.
 
 Supported: SmolVLM and Idefics3 (`smolvlm`, `idefics3`: a Llama decoder, plain positions), LLaVA
-(`llava`: a CLIP-style tower and a Llama or Qwen2 decoder, plain positions), and Qwen2-VL and
-Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`: a Qwen2 decoder whose rotary positions follow
-each image's grid, engine/models/mrope.py). Other mlx-vlm architectures fail the load with a
-sentence saying which are supported.
+(`llava`: a CLIP-style tower and a Llama or Qwen2 decoder, plain positions), Qwen2-VL and
+Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`: a Qwen2 decoder whose rotary positions follow each image's
+grid, engine/models/mrope.py), and Qwen3-VL (`qwen3_vl`: a Qwen3 decoder, the same positions,
+and the tower's features added to its first layers' output). Other mlx-vlm architectures fail
+the load with a sentence saying which are supported.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ TEXT_MODELS = {
     "idefics3": "llama",
     "qwen2_vl": "qwen2",
     "qwen2_5_vl": "qwen2",
+    "qwen3_vl": "qwen3",
     "llava": ("llama", "qwen2"),
 }
 # The processor's outputs an encoder reads besides the token ids.
@@ -145,10 +147,10 @@ class VisionEncoder:
 
     def embed(
         self, token_ids: Sequence[int], images: Sequence[bytes]
-    ) -> tuple[mx.array, tuple[mx.array, int] | None]:
+    ) -> tuple[mx.array, tuple[mrope.Layout, int] | None]:
         """Input embeddings (1, len(token_ids), hidden) of a prompt whose placeholder tokens are
-        its images' (`expand`'s), and on an M-RoPE model its positions (`positions`);
-        ValueError when the counts disagree."""
+        its images' (`expand`'s), and on an M-RoPE model its layout and decode shift (as
+        `positions`, with Qwen3-VL's deepstack features); ValueError when the counts disagree."""
         inputs = self.processor(text=[self.image_token * len(images)], images=[_pictures(images)])
         expected = sum(int(t) == self.image_token_id for t in inputs["input_ids"][0])
         found = sum(t == self.image_token_id for t in token_ids)
@@ -161,14 +163,19 @@ class VisionEncoder:
         features = self.model.get_input_embeddings(mx.array(list(token_ids))[None], **pixels)
         if not self.mrope:
             return features.inputs_embeds, None
-        return features.inputs_embeds, _table(features.position_ids, features.rope_deltas)
+        stacked = getattr(features, "deepstack_visual_embeds", None) or ()
+        visual = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        return features.inputs_embeds, _layout(
+            features.position_ids, features.rope_deltas, visual, stacked
+        )
 
     def positions(
         self, token_ids: Sequence[int], images: Sequence[bytes]
-    ) -> tuple[mx.array, int] | None:
-        """On an M-RoPE model, a prompt's positions (3, len(token_ids)): time, height and width
-        (equal for text), each image's along its grid; and the shift of every token after the
-        prompt (its position minus its index). None on other models."""
+    ) -> tuple[mrope.Layout, int] | None:
+        """On an M-RoPE model, a prompt's layout: its positions (3, len(token_ids)): time,
+        height and width (equal for text), each image's along its grid; and the shift of every
+        token after the prompt (its position minus its index). None on other models. (Without
+        the vision tower: no deepstack features, for a prompt whose images are all cached.)"""
         if not self.mrope:
             return None
         pictures = _pictures(images)
@@ -176,11 +183,15 @@ class VisionEncoder:
         table, delta = self.model.language_model.get_rope_index(
             mx.array(list(token_ids))[None], mx.array(grid)
         )
-        return _table(table, delta)
+        return _layout(table, delta, (), ())
 
 
-def _table(position_ids: mx.array, deltas: mx.array) -> tuple[mx.array, int]:
-    return position_ids[:, 0, :].astype(mx.int32), int(deltas.reshape(-1)[0].item())
+def _layout(
+    position_ids: mx.array, deltas: mx.array, visual: Sequence[int], stacked: Sequence[mx.array]
+) -> tuple[mrope.Layout, int]:
+    table = position_ids[:, 0, :].astype(mx.int32)
+    layout = mrope.Layout(table, tuple(visual) if stacked else (), tuple(stacked))
+    return layout, int(deltas.reshape(-1)[0].item())
 
 
 # Prefix-cache keys of image positions: ids above any vocabulary's (token ids are below 2**31),
@@ -298,7 +309,7 @@ def _text_model(vlm: nn.Module, config: dict[str, Any], module_name: str) -> nn.
         # Idefics3's decoder always has its own output projection.
         "tie_word_embeddings": not hasattr(language, "lm_head"),
     }
-    if (text_config.get("rope_scaling") or {}).get("type") == "mrope":
+    if "mrope_section" in (text_config.get("rope_scaling") or {}):
         text_config["rope_scaling"] = None  # plain rope for text; M-RoPE: engine/models/mrope.py
     model = module.Model(module.ModelArgs.from_dict(text_config))
     weights = {

@@ -46,6 +46,7 @@ BUILDERS = {
     "qwen2_5_vl": build_tiny_qwen_vision_model,
     "llava": build_tiny_llava_model,
     "llava-qwen2": lambda: build_tiny_llava_model(decoder="qwen2"),
+    "qwen3_vl": lambda: build_tiny_qwen_vision_model(version="3"),
 }
 
 
@@ -54,7 +55,7 @@ def tiny_vlm(request) -> LoadedModel:
     return load_model(BUILDERS[request.param](), name="tiny-vlm")
 
 
-@pytest.fixture(scope="module", params=["2.5", "2"])
+@pytest.fixture(scope="module", params=["2.5", "2", "3"])
 def tiny_qwen_vlm(request) -> LoadedModel:
     return load_model(build_tiny_qwen_vision_model(version=request.param), name="tiny-qwen-vlm")
 
@@ -92,11 +93,27 @@ def text_request(loaded: LoadedModel, rid: str, length: int, seed: int) -> Gener
     )
 
 
+def reference_logits(vision, ids: mx.array, embeddings: mx.array, layout) -> mx.array:
+    """mlx-vlm's own language model over a whole prompt at `layout`'s positions (and with
+    its deepstack features, on Qwen3-VL)."""
+    extra = {}
+    if layout.deepstack:
+        mask = mx.zeros(ids.shape, dtype=mx.bool_)
+        mask[0, mx.array(layout.visual)] = True
+        extra = {"visual_pos_masks": mask, "deepstack_visual_embeds": list(layout.deepstack)}
+    out = vision.model.language_model(
+        ids, inputs_embeds=embeddings, position_ids=layout.table[:, None, :], **extra
+    )
+    return out.logits
+
+
 def test_the_loader_serves_mlx_lms_language_model_on_the_encoders_arrays(tiny_vlm):
     assert tiny_vlm.info.input_kinds == ("text", "image")
     vision = tiny_vlm.vision
     decoder = getattr(vision.model.config.text_config, "model_type", "llama")
-    expected = "qwen2" if vision.mrope or decoder == "qwen2" else "llama"
+    expected = {"qwen3_vl_text": "qwen3", "qwen2_5_vl": "qwen2", "qwen2": "qwen2"}.get(
+        decoder, "llama"
+    )
     assert type(tiny_vlm.model).__module__ == f"mlx_lm.models.{expected}"
     ours = tiny_vlm.model.model.embed_tokens.weight
     theirs = vision.model.language_model
@@ -104,21 +121,24 @@ def test_the_loader_serves_mlx_lms_language_model_on_the_encoders_arrays(tiny_vl
     request = image_request(tiny_vlm, "a", "Look:", [RED])
     count = request.images[0].num_tokens
     assert sum(t == vision.image_token_id for t in request.prompt_token_ids) == count
-    # Qwen: 56x84 px in 28 px cells; SmolVLM: 4 after its pixel shuffle; LLaVA: 16 patches.
-    assert count == {"qwen2_5_vl": 6, "smolvlm": 4, "llava": 16}[vision.model.config.model_type]
+    # Qwen2.5: 56x84 px in 28 px cells (Qwen3: 64x96 in 32); SmolVLM: 4 after its pixel
+    # shuffle; LLaVA: 16 patches.
+    counts = {"qwen2_5_vl": 6, "qwen3_vl": 6, "smolvlm": 4, "llava": 16}
+    assert count == counts[vision.model.config.model_type]
     embeddings, where = vision.embed(request.prompt_token_ids, [RED])
     ids = mx.array(request.prompt_token_ids)[None]
-    table = None
+    layout = None
     if vision.mrope:
-        table, delta = where
+        layout, delta = where
+        table = layout.table
         assert delta < 0 and (table[0] != table[1]).any().item()  # positions along the grid
         again, shift = vision.positions(request.prompt_token_ids, [RED])  # without the tower
-        assert shift == delta and mx.array_equal(again, table).item()
-        expected = theirs(ids, inputs_embeds=embeddings, position_ids=table[:, None, :]).logits
+        assert shift == delta and mx.array_equal(again.table, table).item()
+        expected = reference_logits(vision, ids, embeddings, layout)
     else:
         assert where is None
         expected = theirs(ids, inputs_embeds=embeddings).logits
-    with mrope.prompt(tiny_vlm.model, table):
+    with mrope.prompt(tiny_vlm.model, layout):
         mine = tiny_vlm.model(ids, input_embeddings=embeddings)
     assert mx.allclose(mine, expected, rtol=1e-4, atol=1e-4).item()
 
@@ -219,7 +239,7 @@ def test_a_vision_architecture_orchard_cannot_serve_fails_its_load(tmp_path):
     folder = shutil.copytree(build_tiny_vision_model(), tmp_path / "gemma3")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
-    supported = "idefics3, llava, qwen2_5_vl, qwen2_vl, smolvlm"
+    supported = "idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"
     with pytest.raises(VisionModelError, match=f"not supported yet; supported: {supported}"):
         load_model(folder)
 
@@ -242,23 +262,20 @@ def test_an_mrope_model_decodes_at_the_positions_its_images_give(tiny_qwen_vlm):
         images = [image.data for image in request.images]
         ids = list(request.prompt_token_ids)
         if images:
-            embeddings, (table, delta) = vision.embed(ids, images)
+            embeddings, (layout, delta) = vision.embed(ids, images)
         else:
             embeddings = vision.model.language_model.model.embed_tokens(mx.array(ids)[None])
-            table, delta = mx.broadcast_to(mx.arange(len(ids)), (3, len(ids))), 0
+            layout, delta = mrope.Layout(mx.broadcast_to(mx.arange(len(ids)), (3, len(ids)))), 0
         deltas.add(delta)
         expected = []
         for _ in range(MAX_TOKENS):
-            out = vision.model.language_model(
-                mx.array(ids)[None], inputs_embeds=embeddings, position_ids=table[:, None, :]
-            )
-            token = int(mx.argmax(out.logits[0, -1]).item())
+            logits = reference_logits(vision, mx.array(ids)[None], embeddings, layout)
+            token = int(mx.argmax(logits[0, -1]).item())
             expected.append(token)
             ids.append(token)
             step = vision.model.language_model.model.embed_tokens(mx.array([[token]]))
             embeddings = mx.concatenate([embeddings, step], axis=1)
-            position = mx.full((3, 1), len(ids) - 1 + delta, dtype=table.dtype)
-            table = mx.concatenate([table, position], axis=1)
+            layout = layout.extended(len(ids), delta)
         assert together.tokens(request.request_id) == expected, request.request_id
     assert len(deltas) >= 3  # 0 for text, and the images' own shifts
 
