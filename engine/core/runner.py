@@ -375,7 +375,7 @@ class BatchRunner:
             embeddings, where = self.vision.embed(prompt, images)
             if request.resumed_token_ids:
                 tokens = mx.array(request.resumed_token_ids)[None]
-                generated = self.vision.model.language_model.embed_tokens(tokens)
+                generated = self.model.model.embed_tokens(tokens)  # (the served model's)
                 embeddings = mx.concatenate(
                     [embeddings, generated.astype(embeddings.dtype)], axis=1
                 )

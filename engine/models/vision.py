@@ -13,9 +13,11 @@ decode batch by id.
 Supported: SmolVLM and Idefics3 (`smolvlm`, `idefics3`: a Llama decoder, plain positions), LLaVA
 (`llava`: a CLIP-style tower and a Llama or Qwen2 decoder, plain positions), Qwen2-VL and
 Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`: a Qwen2 decoder whose rotary positions follow each image's
-grid, engine/models/mrope.py), and Qwen3-VL (`qwen3_vl`: a Qwen3 decoder, the same positions,
-and the tower's features added to its first layers' output). Other mlx-vlm architectures fail
-the load with a sentence saying which are supported.
+grid, engine/models/mrope.py), Qwen3-VL (`qwen3_vl`: a Qwen3 decoder, the same positions, and
+the tower's features added to its first layers' output), and Gemma 3 (`gemma3`: a Gemma 3
+decoder, plain positions; its template writes a start-of-image token per image, which the
+processor expands). Other mlx-vlm architectures fail the load with a sentence saying which are
+supported.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import inspect
 import io
 import json
 from collections.abc import Sequence
@@ -48,6 +51,7 @@ TEXT_MODELS = {
     "qwen2_vl": "qwen2",
     "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3",
+    "gemma3": "gemma3_text",
     "llava": ("llama", "qwen2"),
 }
 # The processor's outputs an encoder reads besides the token ids.
@@ -77,6 +81,10 @@ class VisionEncoder:
     model: nn.Module
     processor: Any
     image_token_id: int
+    # The token a chat template writes for one image, which the processor expands (around) the
+    # image's placeholders (Gemma 3: its start-of-image token); None: the placeholder itself.
+    mark_id: int | None = None
+    mark: str | None = None
     # Whether the language model's positions follow the images' grids (M-RoPE): then a
     # prompt with images carries its positions (`positions`) into its prefill and decode.
     mrope: bool = False
@@ -107,7 +115,12 @@ class VisionEncoder:
     @property
     def image_token(self) -> str:
         """The text that stands for one image in a prompt before `expand`."""
-        return self.processor.image_token
+        return self.mark or self.processor.image_token
+
+    @property
+    def image_mark_id(self) -> int:
+        """The token id of `image_token`."""
+        return self.image_token_id if self.mark_id is None else self.mark_id
 
     def expand(self, text: str, images: Sequence[bytes]) -> tuple[list[int], list[int]]:
         """The token ids of `text`, whose image tokens (one per image, in order) become each
@@ -124,18 +137,21 @@ class VisionEncoder:
         """A rendered prompt's ids, whose image tokens (the template's one per image part, in
         order) become each image's placeholder tokens; and how many each image has.
         ValueError when the prompt does not hold one image token per image."""
-        marks = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        marks = [i for i, t in enumerate(token_ids) if t == self.image_mark_id]
         if len(marks) != len(images):
             raise ValueError(
                 f"the rendered prompt holds {len(marks)} image tokens for {len(images)} "
                 "image(s) (is the image token in the text?)"
             )
         out, counts, start = [], [], 0
+        # (Processors differ in which keywords reach the tokenizer, so the tokenizer's own
+        # leading special token, if it adds one, is taken off here.)
+        bos = getattr(self.processor.tokenizer, "bos_token_id", None)
         for mark, picture in zip(marks, _pictures(images), strict=True):
-            text = self.processor(
-                text=[self.image_token], images=[[picture]], add_special_tokens=False
-            )
+            text = self.processor(text=[self.image_token], images=[[picture]])
             ids = [int(t) for t in text["input_ids"][0]]
+            if ids and bos is not None and ids[0] == bos != self.image_mark_id:
+                ids = ids[1:]
             out += [*token_ids[start:mark], *ids]
             counts.append(sum(t == self.image_token_id for t in ids))
             start = mark + 1
@@ -160,6 +176,8 @@ class VisionEncoder:
                 f"{len(images)} image(s) need {expected}"
             )
         pixels = {key: mx.array(inputs[key]) for key in PIXEL_INPUTS if inputs.get(key) is not None}
+        if "mask" in inspect.signature(self.model.get_input_embeddings).parameters:
+            pixels["mask"] = mx.ones((1, len(token_ids)), dtype=mx.int32)  # (Gemma 3's)
         features = self.model.get_input_embeddings(mx.array(list(token_ids))[None], **pixels)
         if not self.mrope:
             return features.inputs_embeds, None
@@ -289,7 +307,11 @@ def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, Vi
     uses_mrope = model_type in mrope.MROPE_MODELS
     if uses_mrope:
         mrope.install(text, vlm)
-    return text, VisionEncoder(vlm, processor, int(token_id), mrope=uses_mrope)
+    encoder = VisionEncoder(vlm, processor, int(token_id), mrope=uses_mrope)
+    if model_type == "gemma3":  # its template writes the start-of-image token per image
+        encoder.mark = processor.boi_token
+        encoder.mark_id = int(processor.tokenizer.convert_tokens_to_ids(processor.boi_token))
+    return text, encoder
 
 
 def _text_model(vlm: nn.Module, config: dict[str, Any], module_name: str) -> nn.Module:

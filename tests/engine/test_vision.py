@@ -31,6 +31,7 @@ from tests.engine.conftest import drive, greedy, manual_engine, run_batched
 from tests.engine.test_prefix_identity import assert_same, tokens
 from tests.fixtures.tiny_vision import (
     IMAGE_TOKEN,
+    build_tiny_gemma_vision_model,
     build_tiny_llava_model,
     build_tiny_qwen_vision_model,
     build_tiny_vision_model,
@@ -47,6 +48,7 @@ BUILDERS = {
     "llava": build_tiny_llava_model,
     "llava-qwen2": lambda: build_tiny_llava_model(decoder="qwen2"),
     "qwen3_vl": lambda: build_tiny_qwen_vision_model(version="3"),
+    "gemma3": build_tiny_gemma_vision_model,
 }
 
 
@@ -64,7 +66,7 @@ def image_mark(loaded: LoadedModel) -> str:
     """What the model's chat template writes for one image."""
     if loaded.vision.mrope:  # Qwen-VL
         return f"<|vision_start|>{IMAGE_TOKEN}<|vision_end|>"
-    return IMAGE_TOKEN
+    return loaded.vision.image_token  # Gemma 3: its start-of-image token
 
 
 def image_request(
@@ -111,9 +113,8 @@ def test_the_loader_serves_mlx_lms_language_model_on_the_encoders_arrays(tiny_vl
     assert tiny_vlm.info.input_kinds == ("text", "image")
     vision = tiny_vlm.vision
     decoder = getattr(vision.model.config.text_config, "model_type", "llama")
-    expected = {"qwen3_vl_text": "qwen3", "qwen2_5_vl": "qwen2", "qwen2": "qwen2"}.get(
-        decoder, "llama"
-    )
+    modules = {"qwen3_vl_text": "qwen3", "qwen2_5_vl": "qwen2", "gemma3_text": "gemma3_text"}
+    expected = modules.get(decoder, "qwen2" if decoder == "qwen2" else "llama")
     assert type(tiny_vlm.model).__module__ == f"mlx_lm.models.{expected}"
     ours = tiny_vlm.model.model.embed_tokens.weight
     theirs = vision.model.language_model
@@ -123,8 +124,12 @@ def test_the_loader_serves_mlx_lms_language_model_on_the_encoders_arrays(tiny_vl
     assert sum(t == vision.image_token_id for t in request.prompt_token_ids) == count
     # Qwen2.5: 56x84 px in 28 px cells (Qwen3: 64x96 in 32); SmolVLM: 4 after its pixel
     # shuffle; LLaVA: 16 patches.
-    counts = {"qwen2_5_vl": 6, "qwen3_vl": 6, "smolvlm": 4, "llava": 16}
+    counts = {"qwen2_5_vl": 6, "qwen3_vl": 6, "smolvlm": 4, "llava": 16, "gemma3": 4}
     assert count == counts[vision.model.config.model_type]
+    # A rendered prompt's marks (what the template writes per image) expand the same way.
+    rendered = tiny_vlm.tokenizer.encode(f"Look: {image_mark(tiny_vlm)}", add_special_tokens=False)
+    expanded, counts_seen = vision.expand_ids(rendered, [RED])
+    assert counts_seen == [count] and expanded.count(vision.image_token_id) == count
     embeddings, where = vision.embed(request.prompt_token_ids, [RED])
     ids = mx.array(request.prompt_token_ids)[None]
     layout = None
@@ -137,9 +142,10 @@ def test_the_loader_serves_mlx_lms_language_model_on_the_encoders_arrays(tiny_vl
         expected = reference_logits(vision, ids, embeddings, layout)
     else:
         assert where is None
-        expected = theirs(ids, inputs_embeds=embeddings).logits
+        # (A copy each: Gemma's models scale their input embeddings in place.)
+        expected = theirs(ids, inputs_embeds=mx.array(embeddings)).logits
     with mrope.prompt(tiny_vlm.model, layout):
-        mine = tiny_vlm.model(ids, input_embeddings=embeddings)
+        mine = tiny_vlm.model(ids, input_embeddings=mx.array(embeddings))
     assert mx.allclose(mine, expected, rtol=1e-4, atol=1e-4).item()
 
 
@@ -176,6 +182,10 @@ def test_the_prefix_cache_keys_images_by_their_content(tiny_vlm, monkeypatch):
     cold = drive(engine, [image_request(tiny_vlm, "cold", "Look at this:", [RED])])
     assert len(encoded) == 1
     warm = drive(engine, [image_request(tiny_vlm, "warm", "Look at this:", [RED])])
+    if engine.prefix_cache is None:  # Gemma 3: sliding windows, no prefix cache for any prompt
+        assert warm.cached("warm") == 0 and len(encoded) == 2
+        assert_same(warm, "warm", cold, "cold")
+        return
     assert len(encoded) == 1  # the hit covers the image: no encoder
     other = drive(engine, [image_request(tiny_vlm, "other", "Look at this:", [BLUE])])
     prompt = image_request(tiny_vlm, "x", "Look at this:", [RED]).prompt_token_ids
@@ -236,10 +246,10 @@ def test_requests_with_images_a_model_cannot_read_are_refused(tiny_vlm, tiny_lla
 
 
 def test_a_vision_architecture_orchard_cannot_serve_fails_its_load(tmp_path):
-    folder = shutil.copytree(build_tiny_vision_model(), tmp_path / "gemma3")
+    folder = shutil.copytree(build_tiny_vision_model(), tmp_path / "paligemma")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
-    supported = "idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "paligemma"}))
+    supported = "gemma3, idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"
     with pytest.raises(VisionModelError, match=f"not supported yet; supported: {supported}"):
         load_model(folder)
 
