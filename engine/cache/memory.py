@@ -7,6 +7,7 @@ working set, or the machine's RAM on CPU) less the weights; a model's registry e
 
 from __future__ import annotations
 
+import logging
 import os
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
@@ -16,9 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from engine.cache import mlx_caches as caches
 from engine.cache.budget import MemoryBudget
+from engine.cache.cohorts import PAD_LIMIT
 from engine.cache.host import HostMemory
-from engine.cache.mlx_caches import CacheLayout
+from engine.cache.mlx_caches import CacheLayout, KVQuant
 from engine.cache.prefix import PrefixCache
 from engine.protocol import ModelSpec
 
@@ -76,3 +79,25 @@ def plan_memory(
         cache_bytes = int(total * PREFIX_CACHE_SHARE)
     cache = PrefixCache(max_bytes=cache_bytes, hybrid=layout.hybrid) if cache_bytes else None
     return budget, cache
+
+
+logger = logging.getLogger(__name__)
+
+# Turns the batch's length cohorts off for every model (engine/cache/cohorts.py).
+COMPACT_SWITCH = "ORCHARD_COMPACT_KV"
+
+
+def cohort_padding(spec: ModelSpec, model: nn.Module, quant: KVQuant | None) -> int | None:
+    """The padding limit of a batch's length cohorts (engine/cache/cohorts.py), where the model's
+    attention reads them (a probe) and neither the spec nor ORCHARD_COMPACT_KV=0 turns them off;
+    else None."""
+    if not spec.compact_kv:
+        return None
+    if os.environ.get(COMPACT_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    try:
+        caches.check_cohorts(model, quant)
+    except ValueError as exc:
+        logger.warning("%s keeps every batch row at its longest row's length: %s", spec.name, exc)
+        return None
+    return PAD_LIMIT

@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -31,9 +30,8 @@ import mlx.core as mx
 
 from engine.cache import mlx_caches as caches
 from engine.cache.budget import MemoryBudget
-from engine.cache.cohorts import PAD_LIMIT
 from engine.cache.disk import PrefixDiskConfig, open_disk_tier
-from engine.cache.memory import plan_memory, weights_bytes
+from engine.cache.memory import cohort_padding, plan_memory, weights_bytes
 from engine.cache.mlx_caches import CacheLayout
 from engine.cache.prefix import PrefixCache
 from engine.core.meter import Meter
@@ -42,7 +40,7 @@ from engine.core.request import Emit, Request, Sequence
 from engine.core.sampled import Sampled
 from engine.core.sampling import SamplingState
 from engine.models.loader import LoadedModel
-from engine.models.vision import cache_key_ids, check_images
+from engine.models.vision import check_images
 from engine.protocol import (
     EngineOverloadedError,
     EngineStats,
@@ -62,8 +60,6 @@ logger = logging.getLogger(__name__)
 STOP = object()  # inbox command: end the loop, aborting what is in flight
 DRAIN = object()  # inbox command: end the loop once what is in flight has finished
 CLEAR = object()  # inbox command: empty the prefix cache
-# Turns the batch's length cohorts off for every model (engine/cache/cohorts.py).
-COMPACT_SWITCH = "ORCHARD_COMPACT_KV"
 
 
 class EngineLoop:
@@ -265,15 +261,7 @@ class EngineLoop:
         info, tokenizer, params = self.info, self.loaded.tokenizer, spec.sampling
         request = Request(spec, emit, max_tokens=max_tokens)
         if spec.images:
-            request.image_key_ids = cache_key_ids(
-                spec.prompt_token_ids,
-                [image.num_tokens for image in spec.images],
-                [image.digest for image in spec.images],
-                self.loaded.vision.image_token_id,
-            )
-            request.prefill_bytes = self.loaded.vision.activation_bytes(
-                [image.num_tokens for image in spec.images]
-            )
+            self.loaded.vision.prepare(request)
         if self.prefix_cache is not None and self.prefix_cache.hybrid:
             # Only the recurrent state needs taking at a boundary; attention layers' keys and
             # values are cut from anywhere.
@@ -397,7 +385,11 @@ class EngineLoop:
             logger.warning("no prefix cache for %s: %s", self.spec.name, describe(exc))
             self.layout = None
         self.weights_bytes = weights_bytes(self.loaded.model)
-        self.cohort_pad = self._cohorts()
+        self.cohort_pad = (
+            cohort_padding(self.spec, self.loaded.model, self.kv_quant)
+            if self.COHORTS and self.layout is not None
+            else None
+        )
         self.memory, self.prefix_cache = plan_memory(
             self.spec,
             self.loaded.model,
@@ -407,23 +399,6 @@ class EngineLoop:
         )
         if self.prefix_cache is not None:
             self.prefix_cache.disk = open_disk_tier(self.prefix_disk, self.spec, self.layout)
-
-    def _cohorts(self) -> int | None:
-        """The padding limit of the batch's length cohorts, where this engine batches, the
-        model's attention reads them (a probe) and neither the spec nor ORCHARD_COMPACT_KV=0
-        turns them off; else None."""
-        if not self.COHORTS or self.layout is None or not self.spec.compact_kv:
-            return None
-        if os.environ.get(COMPACT_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
-            return None
-        try:
-            caches.check_cohorts(self.loaded.model, self.kv_quant)
-        except ValueError as exc:
-            logger.warning(
-                "%s keeps every batch row at its longest row's length: %s", self.spec.name, exc
-            )
-            return None
-        return PAD_LIMIT
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         """The model's info as this engine serves it (what requests are validated against)."""

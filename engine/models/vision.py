@@ -112,6 +112,20 @@ class VisionEncoder:
         scores = heads * max(groups, default=0) ** 2 * (1 if merge else len(groups))
         return 4 * (states + scores)
 
+    def prepare(self, request: Any) -> None:
+        """An image request (engine/core/request.py) as the engine keeps it: its prefix-cache
+        key ids (each image's placeholders keyed by the image's digest) and the memory its
+        vision tower's forward holds while it prefills."""
+        images = request.spec.images
+        counts = [image.num_tokens for image in images]
+        request.image_key_ids = cache_key_ids(
+            request.spec.prompt_token_ids,
+            counts,
+            [image.digest for image in images],
+            self.image_token_id,
+        )
+        request.prefill_bytes = self.activation_bytes(counts)
+
     @property
     def image_token(self) -> str:
         """The text that stands for one image in a prompt before `expand`."""

@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-import engine.core.loop as engine_loop
+import engine.cache.memory as memory
 from engine.cache import mlx_caches as caches
 from engine.cache.budget import CACHE_STEP_TOKENS, MemoryBudget, length_groups
 from engine.cache.cohorts import PAD_LIMIT, CohortKVCache, wrap
@@ -180,7 +180,7 @@ def test_greedy_output_is_identical_with_cohorts_on_and_off(wide_model, monkeypa
         changed(self)
 
     monkeypatch.setattr(CohortKVCache, "_changed", spy)
-    monkeypatch.setattr(engine_loop, "PAD_LIMIT", 4)  # rows apart by over 4 tokens: apart
+    monkeypatch.setattr(memory, "PAD_LIMIT", 4)  # rows apart by over 4 tokens: apart
     for spec in configs:
         kwargs = {"max_num_batched_tokens": 12, **spec}
         off = run_batched(wide_model, requests, join_at, compact_kv=False, **kwargs)
@@ -213,7 +213,7 @@ def test_a_model_whose_attention_cannot_read_cohorts_keeps_one_padded_batch(tmp_
 def test_the_switches_turn_cohorts_off(monkeypatch):
     loaded = load_model(build_tiny_model(model_type="llama", tokenizer="qwen3"), name="t")
     assert manual_engine(loaded, compact_kv=False).cohort_pad is None
-    monkeypatch.setenv(engine_loop.COMPACT_SWITCH, "0")
+    monkeypatch.setenv(memory.COMPACT_SWITCH, "0")
     assert manual_engine(loaded).cohort_pad is None
-    monkeypatch.setenv(engine_loop.COMPACT_SWITCH, "1")
+    monkeypatch.setenv(memory.COMPACT_SWITCH, "1")
     assert manual_engine(loaded).memory.pad_tokens == PAD_LIMIT
