@@ -1,5 +1,6 @@
 """Checkpoints into MLX model folders: which checkpoints need it, whether mlx-lm can run them,
-and the conversion itself (mlx-lm's, optionally quantized), in a process of its own.
+and the conversion itself (mlx-lm's, optionally quantized; a vision-language model's, mlx-vlm's),
+in a process of its own.
 
 The rule for "already MLX": a config with mlx-lm's own `quantization` block (checkpoints
 quantized elsewhere carry `quantization_config` only), or a repo the hub lists as MLX (library
@@ -71,6 +72,14 @@ def architecture_problem(config: Mapping[str, Any], *, kind: str) -> str | None:
         return None
     if not isinstance(model_type, str) or not model_type:
         return "its config.json names no model_type."
+    from engine.models.vision import VisionModelError, is_vision_model, text_module
+
+    if is_vision_model(dict(config)):
+        try:
+            text_module(dict(config))
+        except VisionModelError as exc:
+            return f"{exc}."
+        return None
     from mlx_lm.utils import _get_classes
 
     try:
@@ -91,6 +100,11 @@ def convert_checkpoint(
 ) -> None:
     """Convert the checkpoint folder `source` into an MLX model folder `dest` (which must not
     exist), quantized to `bits` when given. Runs in the calling process; see `convert_in_child`."""
+    from engine.models.vision import is_vision_model, read_config
+
+    if is_vision_model(read_config(source)):
+        _convert_vision(source, dest, bits=bits, group_size=group_size, progress=progress)
+        return
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map, tree_map_with_path
     from mlx_lm.utils import load_model, quantize_model
@@ -130,6 +144,33 @@ def convert_checkpoint(
         if file.is_file() and not _is_weights(relative) and relative not in _REWRITTEN:
             (dest / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(file, dest / relative)
+
+
+def _convert_vision(
+    source: Path, dest: Path, *, bits: int | None, group_size: int, progress: Progress | None
+) -> None:
+    """A vision-language checkpoint through mlx-vlm's conversion (its model class renames the
+    weights of both towers; quantized, only the language model and projector are, as mlx-vlm
+    does: the vision tower keeps its precision), with the processor's files."""
+    from mlx_vlm.convert import convert
+
+    import engine  # noqa: F401  (OpenBLAS before mlx)
+
+    phase = "quantizing" if bits is not None else "converting"
+    report = progress or (lambda phase, done, total: None)
+    report(phase, 0, 0)
+    with contextlib.redirect_stdout(sys.stderr):  # (its progress prints)
+        convert(
+            str(source),
+            str(dest),
+            quantize=bits is not None,
+            q_group_size=group_size,
+            q_bits=bits or 4,
+        )
+    for file in sorted(source.iterdir()):  # what its processor did not write again
+        if file.is_file() and not _is_weights(file.name) and not (dest / file.name).exists():
+            shutil.copy2(file, dest / file.name)
+    report(phase, 1, 1)
 
 
 def _is_weights(relative: str) -> bool:

@@ -64,6 +64,7 @@ MODEL_FILES = (
     # A vision-language model's processor (engine/models/vision.py).
     "preprocessor_config.json",
     "processor_config.json",
+    "video_preprocessor_config.json",
 )
 EMBEDDING_FILES = (
     "modules.json",

@@ -294,8 +294,9 @@ def _pictures(images: Sequence[bytes]) -> list:
     return pictures
 
 
-def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, VisionEncoder]:
-    """The served (mlx-lm) language model and the vision encoder of a vision model folder."""
+def text_module(config: dict[str, Any]) -> str:
+    """The mlx-lm module that serves a vision model's language model; VisionModelError (saying
+    which are supported) for one Orchard cannot serve. Checked by the loader and by pulls."""
     model_type = config.get("model_type")
     if model_type not in TEXT_MODELS:
         raise VisionModelError(
@@ -311,6 +312,13 @@ def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, Vi
                 f"supported: {', '.join(decoder)}"
             )
         decoder = named
+    return decoder
+
+
+def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, VisionEncoder]:
+    """The served (mlx-lm) language model and the vision encoder of a vision model folder."""
+    model_type = config.get("model_type")
+    decoder = text_module(config)
     from mlx_vlm import load as vlm_load
 
     vlm, processor = vlm_load(str(path))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.models import hub as hub_module
+from engine.models.convert import architecture_problem
 from engine.models.hub import PullError, PullStopped, hub_plan, needed_files
 from engine.models.pull import PullAbandoned, PullRequest, pull_model, staging_folder
 from tests.fixtures.hub import (
@@ -195,6 +196,42 @@ def test_a_checkpoint_without_quantizing_is_converted_at_its_precision(local_hub
     assert b"inv_freq" not in header and b"lm_head" not in header
     assert folder_facts(pulled.folder).quantization == "float32"
     load(str(pulled.folder))
+
+
+def test_a_vision_checkpoint_is_converted_by_mlx_vlm_and_quantized_to_4_bits(local_hub, tmp_path):
+    """A vision-language checkpoint (not listed as MLX) goes through mlx-vlm's conversion: its
+    language model quantized, its vision tower kept, the processor's files beside it; the
+    folder then serves image prompts with the language model's layers quantized."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engine.models.loader import load_model
+    from tests.fixtures.tiny_vision import build_tiny_qwen_vision_model, image_bytes
+
+    local_hub.add_repo("vision-org/tiny-qwen-vl", build_tiny_qwen_vision_model())
+    monitor = Monitor()
+    pulled = pull(
+        local_hub, tmp_path / "models", "vision-org/tiny-qwen-vl", bits=4, monitor=monitor
+    )
+    assert pulled.converted and pulled.bits == 4
+    assert monitor.phases == ["downloading", "converting", "quantizing"]
+    files = {p.name for p in pulled.folder.iterdir()}
+    assert {"preprocessor_config.json", "video_preprocessor_config.json"} <= files
+    assert json.loads((pulled.folder / "config.json").read_text())["quantization"]["bits"] == 4
+    loaded = load_model(pulled.folder, name="tiny-qwen-vl-4bit")
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    tower = loaded.vision.model.vision_tower
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in tower.named_modules())
+    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n"
+    ids, counts = loaded.vision.expand(prompt, [image_bytes("red")])
+    assert counts == [6] and len(ids) > 6
+    # Unquantized, the pulled folder gives the checkpoint's own logits.
+    plain = pull(local_hub, tmp_path / "models", "vision-org/tiny-qwen-vl", name="plain")
+    assert plain.converted and plain.bits is None
+    probe = mx.array([ids])
+    original = load_model(build_tiny_qwen_vision_model(), name="original").model(probe)
+    assert mx.allclose(load_model(plain.folder, name="plain").model(probe), original).item()
+    assert architecture_problem({"model_type": "paligemma", "vision_config": {}}, kind="chat")
 
 
 def test_an_embedding_model_comes_with_its_sentence_transformers_files(local_hub, tmp_path):
