@@ -92,14 +92,14 @@ class VisionEncoder:
     def activation_bytes(self, image_tokens: Sequence[int]) -> int:
         """About the most memory the vision tower's forward over images of `image_tokens`
         placeholder tokens each holds at once: a layer's hidden states and MLP over the images'
-        patches, and its attention scores (heads × patches², float32; every image's patches
-        together, as a full-attention layer may see them). The memory budget counts it for an
-        image request while it prefills (engine/core/scheduler.py)."""
+        patches, and its attention scores (heads × patches², float32, as MLX's attention on the
+        CPU holds them; an upper bound elsewhere). The memory budget counts it for an image
+        request while it prefills (engine/core/scheduler.py)."""
         vision = self.model.config.vision_config
         heads = getattr(vision, "num_attention_heads", None) or vision.num_heads
         merge = getattr(vision, "spatial_merge_size", None)
-        if merge:  # Qwen-VL: one placeholder per merge × merge patches
-            groups = [sum(image_tokens) * merge * merge]
+        if merge:  # Qwen-VL: one placeholder per merge × merge patches, attending per image
+            groups = [tokens * merge * merge for tokens in image_tokens]
         else:  # SmolVLM, LLaVA: tiles of the tower's size, each attending within itself
             patches = (vision.image_size // vision.patch_size) ** 2
             shuffle = getattr(self.model.config, "scale_factor", 1)  # SmolVLM: pixel shuffle
@@ -109,6 +109,8 @@ class VisionEncoder:
         width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL: embed_dim
         mlp = getattr(vision, "intermediate_size", None) or int(width * vision.mlp_ratio)
         states = sum(groups) * (2 * width + mlp)
+        # Qwen's tower attends image by image (at most one image's scores at once); SmolVLM's
+        # and LLaVA's run every tile of the request as one batch.
         scores = heads * max(groups, default=0) ** 2 * (1 if merge else len(groups))
         return 4 * (states + scores)
 
