@@ -4,7 +4,9 @@
 
 One self-contained run: a throwaway ORCHARD_HOME with a migrated SQLite database, the default
 chat model (SmolLM2-135M float32, as bench/api.py uses) and the default embedding model, keys of
-two teams, and daphne serving config.asgi on a free port (as `make serve` does, engine inside).
+two teams, and daphne serving config.asgi on a free port (as `make serve` does, engine inside;
+with `--layout remote`, the engines in one `manage.py runengine` worker over Redis, as
+docs/deploying.md describes for more than one machine).
 
 Team B probes the whole time, one request after another on each of two connections: `GET
 /v1/models` (its latency) and a streamed chat completion of 4 tokens (its time to first token).
@@ -48,9 +50,9 @@ from dataclasses import dataclass, field  # noqa: E402
 sys.path.append(str(ROOT / "bench"))  # after `engine`: bench/engine.py would shadow it
 
 from api import MODEL, load_average, setup_home, wait_for_quiet  # noqa: E402
+from workers import Layout  # noqa: E402
 
 from bench.results import run_header, write_results  # noqa: E402
-from tests.fixtures.daphne import free_port, start_daphne, stop_daphne  # noqa: E402
 
 TARGET = 2.0
 ABUSES = ("bodies", "enums", "renders", "embeddings", "429s")
@@ -277,6 +279,12 @@ def main() -> None:
     parser.add_argument("--abuses", default=",".join(ABUSES))
     parser.add_argument("--max-load", type=float, default=1.0)
     parser.add_argument("--max-wait", type=float, default=300, help="seconds to wait for quiet")
+    parser.add_argument(
+        "--layout",
+        choices=("local", "remote"),
+        default="local",
+        help="engine inside daphne (make serve's) or in a runengine worker over Redis",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     kinds = [kind for kind in args.abuses.split(",") if kind]
@@ -290,9 +298,9 @@ def main() -> None:
     server = None
     try:
         keys = setup_teams(home)
-        port = free_port()
-        server = start_daphne(port=port, env=dict(os.environ), log_path=home / "server.log")
-        base_url = f"http://127.0.0.1:{port}"
+        server = Layout(args.layout, home, dict(os.environ), remote=args.layout == "remote")
+        server.start()
+        base_url = server.url
         asyncio.run(probe(base_url, keys["team-b"], 3))  # warm: the models load
         baseline = asyncio.run(probe(base_url, keys["team-b"], args.seconds))
         print(f"alone: {baseline.row()}", flush=True)
@@ -304,7 +312,7 @@ def main() -> None:
         sizes = chain_growth(base_url, keys["team-b"])
     finally:
         if server is not None:
-            stop_daphne(server)
+            server.stop()
     block = report(args, load_before, baseline, rows, sizes)
     print(block)
     if not args.no_write:
@@ -312,9 +320,12 @@ def main() -> None:
 
 
 def report(args, load_before: str, baseline: Probe, rows: list, sizes: list[int]) -> str:
-    lines = run_header(
-        "isolation.py", f", load before {load_before}; one daphne, engine inside, SQLite"
+    where = (
+        "one daphne, engine inside"
+        if args.layout == "local"
+        else "one daphne and one runengine worker (Redis)"
     )
+    lines = run_header("isolation.py", f", load before {load_before}; {where}, SQLite")
     base = baseline.row()
     lines += [
         "",

@@ -72,31 +72,28 @@ async def prompts_with_images(
 
 
 async def _read(parts: list[dict[str, Any]]) -> list[bytes]:
-    """Each part's image, read and checked, `FETCH_CONCURRENCY` at a time; the first refusal
-    (in the parts' order, of those that failed) is the request's 400 and stops the rest."""
+    """Each part's image, read and checked, `FETCH_CONCURRENCY` at a time. The first part (in
+    order) that is refused is the request's 400: the parts before it are awaited, those after
+    it stopped."""
     gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
-    async def one(index: int, part: dict[str, Any]) -> bytes:
+    async def one(part: dict[str, Any]) -> bytes:
         async with gate:
-            try:
-                return (await image_from_url(part["url"])).data
-            except ImageError as exc:
-                raise _Refused(index, exc) from None
+            return (await image_from_url(part["url"])).data
 
+    tasks = [asyncio.ensure_future(one(part)) for part in parts]
     try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(i, part)) for i, part in enumerate(parts)]
-    except* _Refused as failed:
-        first = min(failed.exceptions, key=lambda refused: refused.index)
-        part, exc = parts[first.index], first.error
-        raise APIError(400, exc.message, param=part["param"], code=exc.code) from None
-    return [task.result() for task in tasks]
-
-
-class _Refused(Exception):
-    def __init__(self, index: int, error: ImageError) -> None:
-        super().__init__(error.message)
-        self.index, self.error = index, error
+        images = []
+        for part, task in zip(parts, tasks, strict=True):
+            try:
+                images.append(await task)
+            except ImageError as exc:
+                raise APIError(400, exc.message, param=part["param"], code=exc.code) from None
+        return images
+    finally:
+        for task in tasks:
+            task.cancel()  # (those still running: after a refusal, or the caller gone)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _template_messages(prompt: PromptInput) -> tuple[dict[str, Any], ...]:
