@@ -240,7 +240,7 @@ class EngineLoop:
         the device corrupts other requests, and with the same functions, so the two agree."""
         validate_generation(spec, self.info)
         if spec.images:
-            check_images(spec, self.loaded.vision)
+            check_images(spec, self.loaded.vision, self.memory)
         return completion_budget(
             num_prompt_tokens=len(spec.prompt_token_ids),
             context_length=self.info.context_length,

@@ -139,6 +139,8 @@ class BatchRunner:
         gone = set()
         for request in requests:
             request.embeddings = request.layout = None  # computed again on resuming
+            if request.spec.images:  # (and so is its vision tower's forward)
+                self.vision.prepare(request)
             cache = self._prefill_caches.pop(request.request_id, None)
             lead = request.sequences[0]
             if cache is not None:
@@ -343,25 +345,28 @@ class BatchRunner:
     def encode(self, request: Request) -> None:
         """Start a prompt with images before the step's forwards (its input embeddings, the
         vision tower run now): an encoder failure then ends this request alone (the engine
-        finishes it; its prefix hit is still the request's, for the engine to let go)."""
+        finishes it and lets go of its prefix hit). From then on the memory its prefill holds
+        beyond its cache is its embeddings', not the tower's."""
         if request.request_id not in self._prefill_caches:
             hit = request.prefix_hit
             self._images(request, hit.length if hit is not None else 0)
             layout = request.layout
-            mx.eval(
-                [request.embeddings] if request.embeddings is not None else [],
-                [layout.table, *layout.deepstack] if layout is not None else [],
-            )
+            held = [request.embeddings] if request.embeddings is not None else []
+            held += [layout.table, *layout.deepstack] if layout is not None else []
+            mx.eval(held)
+            request.prefill_bytes = sum(array.nbytes for array in held)
             self._prefill_caches[request.request_id] = self._start(request)
 
     def _start(self, request: Request) -> Cache:
-        hit, request.prefix_hit = request.prefix_hit, None
+        hit = request.prefix_hit
         if hit is not None and not request.num_preemptions:
             # (A resumed request finds its own state: not what `cached_tokens` reports.)
             request.num_cached_tokens = hit.length
         start = hit.length if hit is not None else 0
         room = request.num_prefill_tokens - start
-        return start_cache(self.model, self.prefix_cache, hit, room, self.quant)
+        cache = start_cache(self.model, self.prefix_cache, hit, room, self.quant)
+        request.prefix_hit = None  # (released by start_cache; kept for whoever fails it)
+        return cache
 
     def _images(self, request: Request, start: int) -> None:
         """A prompt with images, prefilling from `start`: its input embeddings (its images'

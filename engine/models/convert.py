@@ -166,6 +166,7 @@ def _convert_vision(
             quantize=bits is not None,
             q_group_size=group_size,
             q_bits=bits or 4,
+            trust_remote_code=False,  # (its default runs code a repo names)
         )
     for file in sorted(source.iterdir()):  # what its processor did not write again
         if file.is_file() and not _is_weights(file.name) and not (dest / file.name).exists():

@@ -54,6 +54,8 @@ TEXT_MODELS = {
     "gemma3": "gemma3_text",
     "llava": ("llama", "qwen2"),
 }
+# Head sizes MLX's fused attention takes on a GPU (it then never materialises the scores).
+FUSED_HEAD_DIMS = (64, 80, 128)
 # The processor's outputs an encoder reads besides the token ids.
 PIXEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
 
@@ -92,9 +94,10 @@ class VisionEncoder:
     def activation_bytes(self, image_tokens: Sequence[int]) -> int:
         """About the most memory the vision tower's forward over images of `image_tokens`
         placeholder tokens each holds at once: a layer's hidden states and MLP over the images'
-        patches, and its attention scores (heads × patches², float32, as MLX's attention on the
-        CPU holds them; an upper bound elsewhere). The memory budget counts it for an image
-        request while it prefills (engine/core/scheduler.py)."""
+        patches, and its attention scores (heads × patches², float32) where MLX's attention
+        holds them (on the CPU, and on a GPU for head sizes its fused kernel does not take).
+        The memory budget counts it for an image request until its tower has run
+        (engine/core/scheduler.py); a request needing more than the budget is refused."""
         vision = self.model.config.vision_config
         heads = getattr(vision, "num_attention_heads", None) or vision.num_heads
         merge = getattr(vision, "spatial_merge_size", None)
@@ -109,6 +112,8 @@ class VisionEncoder:
         width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL: embed_dim
         mlp = getattr(vision, "intermediate_size", None) or int(width * vision.mlp_ratio)
         states = sum(groups) * (2 * width + mlp)
+        if mx.default_device() != mx.cpu and width // heads in FUSED_HEAD_DIMS:
+            return 4 * states  # the GPU's fused attention never holds the scores
         # Qwen's tower attends image by image (at most one image's scores at once); SmolVLM's
         # and LLaVA's run every tile of the request as one batch.
         scores = heads * max(groups, default=0) ** 2 * (1 if merge else len(groups))
@@ -225,7 +230,13 @@ def _layout(
 ) -> tuple[mrope.Layout, int]:
     table = position_ids[:, 0, :].astype(mx.int32)
     layout = mrope.Layout(table, tuple(visual) if stacked else (), tuple(stacked))
-    return layout, int(deltas.reshape(-1)[0].item())
+    delta = int(deltas.reshape(-1)[0].item())
+    if delta == 0:  # every image of two or more placeholders shifts what follows it
+        raise ValueError(
+            "the prompt's images are not where the model's positions expect them (each image's "
+            "placeholders follow a vision start token in its chat template)"
+        )
+    return layout, delta
 
 
 # Prefix-cache keys of image positions: ids above any vocabulary's (token ids are below 2**31),
@@ -267,9 +278,10 @@ async def expand_rendered(
     return dataclasses.replace(rendered, token_ids=tuple(ids), image_tokens=tuple(counts))
 
 
-def check_images(request: Any, vision: VisionEncoder | None) -> None:
+def check_images(request: Any, vision: VisionEncoder | None, memory: Any = None) -> None:
     """InvalidRequestError unless `request`'s images are this model's to read: a vision model,
-    and the prompt's placeholder tokens the images' own (their `num_tokens`, summed)."""
+    the prompt's placeholder tokens the images' own (their `num_tokens`, summed), and, with
+    the engine's `memory` budget, a vision tower forward that fits in it."""
     if vision is None:
         raise InvalidRequestError("This model takes no images.", param="messages")
     placeholders = sum(t == vision.image_token_id for t in request.prompt_token_ids)
@@ -279,6 +291,15 @@ def check_images(request: Any, vision: VisionEncoder | None) -> None:
             f"The prompt has {placeholders} image placeholder tokens; its "
             f"{len(request.images)} image(s) claim {claimed}.",
             param="messages",
+        )
+    need = vision.activation_bytes([image.num_tokens for image in request.images])
+    if memory is not None and need > memory.max_bytes:
+        raise InvalidRequestError(
+            f"The images need about {need / 2**30:.1f} GiB for the model's vision encoder, "
+            f"more than this model's {memory.max_bytes / 2**30:.1f} GiB memory budget: send "
+            "fewer or smaller images.",
+            param="messages",
+            code="image_too_large",
         )
 
 

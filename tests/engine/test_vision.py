@@ -21,6 +21,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
+import engine.core.runner as runner_module
 from engine.core.batched import BatchedEngine
 from engine.core.simple import SimpleEngine
 from engine.models import mrope
@@ -312,3 +313,63 @@ def test_an_image_the_encoder_fails_on_ends_its_own_request_only(tiny_vlm, monke
     last = together.events[("bad", 0)][-1]
     assert last.finish_reason == "error" and "out of memory" in last.error
     assert not engine.runner._prefill_caches and not engine.scheduler.has_work()
+
+
+def test_images_the_memory_budget_cannot_hold_are_refused_and_the_tower_counts_until_it_ran(
+    tiny_vlm, monkeypatch
+):
+    engine = manual_engine(tiny_vlm, BatchedEngine)
+    spec = image_request(tiny_vlm, "a", "Look:", [RED])
+    request = engine.make_request(spec, print)
+    tower = request.prefill_bytes
+    engine.runner.encode(request)  # the tower runs: its embeddings are what the prefill holds
+    layout = request.layout
+    held = [layout.table, *layout.deepstack] if layout is not None else []
+    assert 0 < request.prefill_bytes == request.embeddings.nbytes + sum(a.nbytes for a in held)
+    engine.runner.release(spec.request_id)
+    assert tower == tiny_vlm.vision.activation_bytes([spec.images[0].num_tokens])
+    monkeypatch.setattr(
+        type(tiny_vlm.vision), "activation_bytes", lambda self, tokens: 1 << 50
+    )  # a photo whose tower would need a petabyte
+    if engine.memory is None:  # Gemma 3: sliding windows, no budget to hold it against
+        assert engine.check(spec) > 0
+        return
+    with pytest.raises(InvalidRequestError, match="memory budget") as refused:
+        engine.check(spec)
+    assert refused.value.code == "image_too_large"
+
+
+def test_a_prefix_hit_is_let_go_when_an_image_requests_cache_cannot_start(tiny_vlm, monkeypatch):
+    engine = manual_engine(tiny_vlm, BatchedEngine)
+    drive(engine, [image_request(tiny_vlm, "cold", "Look at this:", [RED])])
+    if engine.prefix_cache is None:  # Gemma 3: nothing cached to hold
+        return
+    assert engine.prefix_cache.nbytes > 0
+
+    def failing(*args, **kwargs):
+        raise MemoryError("no room to copy the cached keys")
+
+    monkeypatch.setattr(runner_module, "start_cache", failing)
+    warm = drive(engine, [image_request(tiny_vlm, "warm", "Look at this:", [RED])])
+    assert warm.events[("warm", 0)][-1].finish_reason == "error"
+    engine.prefix_cache.evict(1 << 40)
+    assert engine.prefix_cache.nbytes == 0  # nothing left locked
+
+
+def test_qwen_images_without_their_vision_start_token_fail_their_request(tiny_qwen_vlm):
+    """A template that writes the bare placeholder (no vision start token before it) would put
+    every token at one position: the request fails saying so, the others run."""
+    prompt = f"<|im_start|>user\nLook: {IMAGE_TOKEN}<|im_end|>\n<|im_start|>assistant\n"
+    ids, counts = tiny_qwen_vlm.vision.expand(prompt, [RED])
+    bare = GenerationRequest(
+        "bare",
+        "tiny",
+        tuple(ids),
+        greedy(MAX_TOKENS, ignore_eos=True),
+        images=(PromptImage.of(RED, counts[0]),),
+    )
+    text = text_request(tiny_qwen_vlm, "text", 9, seed=6)
+    out = run_batched(tiny_qwen_vlm, [bare, text])
+    last = out.events[("bare", 0)][-1]
+    assert last.finish_reason == "error" and "vision start" in last.error
+    assert len(out.tokens("text")) == MAX_TOKENS
