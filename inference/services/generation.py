@@ -200,7 +200,9 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
             f"this one asks for {len(call.prompts) * sampling.n}.",
             param=call.prompt_param,
         )
-    inputs = await prompts_with_images(call.prompts, info=info, model=entry.name)
+    inputs = await prompts_with_images(
+        call.prompts, info=info, model=entry.name, known=intake.images
+    )
     prompts = [await _render(intake, entry.name, p, call.prompt_param) for p in inputs]
     images = [
         tuple(
@@ -353,7 +355,9 @@ async def prompt_token_count(*, intake: Intake, call: GenerationCall) -> int:
     reserved, but the request spent its key's limits like any other (`intake`)."""
     entry = await intake.model_entry(name=call.model, kind=ModelEntry.Kind.CHAT)
     info = await _serving_model(entry)
-    (prompt,) = await prompts_with_images(call.prompts[:1], info=info, model=entry.name)
+    (prompt,) = await prompts_with_images(
+        call.prompts[:1], info=info, model=entry.name, known=intake.images
+    )
     rendered = await _render(intake, entry.name, prompt, call.prompt_param)
     return len(rendered.token_ids)
 

@@ -37,10 +37,15 @@ def image_parts(prompt: PromptInput) -> list[dict[str, Any]]:
 
 
 async def prompts_with_images(
-    prompts: Sequence[PromptInput], *, info: ModelInfo, model: str
+    prompts: Sequence[PromptInput],
+    *,
+    info: ModelInfo,
+    model: str,
+    known: dict[str, bytes] | None = None,
 ) -> list[PromptInput]:
     """`prompts` with their images read and checked, ready to render (see the module's doc);
-    APIError (400) for a model without image input, too many images, or an image refused."""
+    APIError (400) for a model without image input, too many images, or an image refused.
+    `known`: the request's images read before, by URL (reused; those read now are added)."""
     parts = [image_parts(prompt) for prompt in prompts]
     every = [part for found in parts for part in found]
     if not every:
@@ -60,7 +65,7 @@ async def prompts_with_images(
             param=every[MAX_IMAGES]["param"],
             code="too_many_images",
         )
-    read = iter(await _read(every))
+    read = iter(await _read(every, {} if known is None else known))
     return [
         dataclasses.replace(
             prompt,
@@ -71,15 +76,19 @@ async def prompts_with_images(
     ]
 
 
-async def _read(parts: list[dict[str, Any]]) -> list[bytes]:
-    """Each part's image, read and checked, `FETCH_CONCURRENCY` at a time. The first part (in
-    order) that is refused is the request's 400: the parts before it are awaited, those after
-    it stopped."""
+async def _read(parts: list[dict[str, Any]], known: dict[str, bytes]) -> list[bytes]:
+    """Each part's image, read and checked, `FETCH_CONCURRENCY` at a time (or from `known`, by
+    URL, where read before; the rest are added to it). The first part (in order) that is
+    refused is the request's 400: the parts before it are awaited, those after it stopped."""
     gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
     async def one(part: dict[str, Any]) -> bytes:
-        async with gate:
-            return (await image_from_url(part["url"])).data
+        url = part["url"]
+        if url not in known:
+            async with gate:
+                if url not in known:  # (a part before it with the same URL may have read it)
+                    known[url] = (await image_from_url(url)).data
+        return known[url]
 
     tasks = [asyncio.ensure_future(one(part)) for part in parts]
     try:

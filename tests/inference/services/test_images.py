@@ -52,3 +52,14 @@ async def test_the_first_refused_image_in_order_is_the_requests_400(server):
     with pytest.raises(APIError) as refused:
         await prompts_with_images([request], info=VISION, model="vision")
     assert refused.value.param == "messages[0].content[1]"
+
+
+async def test_a_requests_images_are_read_once_however_often_its_prompt_is_rendered(server):
+    """A response truncated to fit renders its prompt again: the images it read are reused."""
+    server.seen.clear()
+    known: dict[str, bytes] = {}
+    request = prompt(server.url("/red.png"), server.url("/photo.jpg"))
+    for _ in range(3):
+        [again] = await prompts_with_images([request], info=VISION, model="vision", known=known)
+        assert again.images == (PNG, JPEG)
+    assert sorted(server.paths()) == ["/photo.jpg", "/red.png"]
