@@ -3,11 +3,12 @@ authentication and before Django reads or parses a byte of it.
 
 Django's ASGI handler reads a whole body before it runs a view (which then authenticates and
 parses it), so without a cap one team's oversized bodies cost every request sharing the process.
-`BodyCapMiddleware` refuses at once a request whose Content-Length is over the cap; otherwise it
-counts the bytes of the body's messages as they arrive (a chunked body has no Content-Length)
-and refuses as soon as they pass it. Either way it stops receiving, answers (with `Connection:
-close`) and returns: the rest of the body is never asked for. A body within the cap is handed
-to Django as it came.
+`BodyCapMiddleware` refuses at once a request whose Content-Length is over the cap (one within
+it goes to Django untouched: the server reads exactly that many bytes); a chunked body has no
+Content-Length, so its bytes are counted as they arrive, kept in a temporary file past its first
+MiB (never a whole upload in memory), and refused as soon as they pass the cap. Either way a
+refusal stops receiving, answers (with `Connection: close`) and returns: the rest of the body is
+never asked for.
 
 The answer has the route's shape: OpenAI's error body on /v1, Anthropic's on /v1/messages
 (inference/errors.py), a plain 413 elsewhere (the pages and the admin, whose form fields Django
@@ -21,10 +22,10 @@ stop (`client_max_body_size`, docs/deploying.md); a server that streams bodies t
 
 from __future__ import annotations
 
-import collections
 import logging
+import tempfile
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import IO, Any
 
 from django.http import HttpResponse
 
@@ -40,6 +41,8 @@ ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
 
 ERROR_TOO_LARGE = "The request body is larger than the {cap} bytes this endpoint accepts."
 CODE_TOO_LARGE = "request_too_large"
+SPOOL_BYTES = 1 << 20  # a counted body past this goes to a temporary file
+REPLAY_CHUNK_BYTES = 1 << 16
 
 
 class BodyCapMiddleware:
@@ -62,33 +65,45 @@ class BodyCapMiddleware:
             return
         cap = self.cap_for(scope["path"])
         declared = _content_length(scope)
-        if declared is not None and declared > cap:
-            await _refuse(scope, send, cap, f"a Content-Length of {declared}")
+        if declared is not None:
+            if declared > cap:
+                await _refuse(scope, send, cap, f"a Content-Length of {declared}")
+            else:  # the server reads exactly that many bytes: nothing to count
+                await self.app(scope, receive, send)
             return
-        body: collections.deque[Message] = collections.deque()
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # http.disconnect: the client left before its body came
-            size += len(message.get("body", b""))
-            if size > cap:
-                await _refuse(scope, send, cap, f"more than {cap} bytes")
-                return
-            body.append(message)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replaying(body, receive), send)
+        # A body without a length (chunked): counted as it arrives, kept in a file past the
+        # first MiB (a large upload never sits in memory), then handed on.
+        with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as body:
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # http.disconnect: the client left before its body came
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > cap:
+                    await _refuse(scope, send, cap, f"more than {cap} bytes")
+                    return
+                body.write(chunk)
+                if not message.get("more_body", False):
+                    break
+            body.seek(0)
+            await self.app(scope, _replaying(body, size, receive), send)
 
 
-def _replaying(body: collections.deque[Message], receive: Receive) -> Receive:
-    """`receive` that first gives back the body's messages (each let go once given), then
-    whatever the server sends next (a disconnect)."""
+def _replaying(body: IO[bytes], size: int, receive: Receive) -> Receive:
+    """`receive` that first gives back the body (`size` bytes) in chunks, then whatever the
+    server sends next (a disconnect)."""
+    given, finished = 0, False
 
     async def replay() -> Message:
-        if body:
-            return body.popleft()
-        return await receive()
+        nonlocal given, finished
+        if finished:
+            return await receive()
+        chunk = body.read(REPLAY_CHUNK_BYTES)
+        given += len(chunk)
+        finished = given >= size
+        return {"type": "http.request", "body": chunk, "more_body": not finished}
 
     return replay
 

@@ -191,14 +191,28 @@ async def test_a_body_within_the_cap_reaches_the_application_as_it_came():
     seen = []
 
     async def app(scope, receive, send):
+        body = b""
         while (message := await receive())["type"] == "http.request":
-            seen.append(message["body"])
+            body += message["body"]
+            if not message["more_body"]:
+                seen.append(body)
         seen.append(message["type"])
 
     cap = BodyCapMiddleware(app, max_bytes=10, route_max_bytes={"/v1/embeddings": 20})
     script = Script([b"0123456789", b"abcdefghi"])
     await cap(script.scope("/v1/embeddings"), script.receive, script.send)
-    assert seen == [b"0123456789", b"abcdefghi", "http.disconnect"]
+    assert seen == [b"0123456789abcdefghi", "http.disconnect"]
     elsewhere = Script([b"0123456789", b"abcdefghi"])
     await cap(elsewhere.scope("/v1/completions"), elsewhere.receive, elsewhere.send)
-    assert elsewhere.sent[0]["status"] == 413 and len(seen) == 3
+    assert elsewhere.sent[0]["status"] == 413 and len(seen) == 2
+    # A body with its length goes to the application untouched: nothing read ahead of it.
+    declared = Script([b"0123456789"], content_length=10)
+    await cap(declared.scope("/v1/completions"), declared.receive, declared.send)
+    assert seen[-2:] == [b"0123456789", "http.disconnect"] and declared.num_received == 2
+    # A large chunked upload is kept in a file past its first MiB and arrives whole.
+    seen.clear()
+    parts = [bytes([i]) * 65_536 for i in range(48)]  # 3 MiB
+    large = Script(parts)
+    roomy = BodyCapMiddleware(app, max_bytes=4 << 20)
+    await roomy(large.scope("/v1/files"), large.receive, large.send)
+    assert seen == [b"".join(parts), "http.disconnect"]
