@@ -274,13 +274,15 @@ ORCHARD_IMAGE_FETCH_TIMEOUT_SECONDS = env_float(
 )
 ORCHARD_IMAGE_MAX_BYTES = env_bytes("ORCHARD_IMAGE_MAX_BYTES", 20 << 20)
 ORCHARD_IMAGE_MAX_PIXELS = env_int("ORCHARD_IMAGE_MAX_PIXELS", 40_000_000)
+# A request's images together (each is decoded, resized and encoded while the request runs).
+ORCHARD_IMAGE_MAX_REQUEST_PIXELS = env_int("ORCHARD_IMAGE_MAX_REQUEST_PIXELS", 80_000_000)
 if (
     ORCHARD_IMAGE_FETCH_MAX_REDIRECTS < 0
-    or min(ORCHARD_IMAGE_MAX_BYTES, ORCHARD_IMAGE_MAX_PIXELS) < 1
+    or min(ORCHARD_IMAGE_MAX_BYTES, ORCHARD_IMAGE_MAX_PIXELS, ORCHARD_IMAGE_MAX_REQUEST_PIXELS) < 1
 ):
     raise ImproperlyConfigured(
-        "ORCHARD_IMAGE_FETCH_MAX_REDIRECTS must be 0 or more, ORCHARD_IMAGE_MAX_BYTES and "
-        "ORCHARD_IMAGE_MAX_PIXELS at least 1."
+        "ORCHARD_IMAGE_FETCH_MAX_REDIRECTS must be 0 or more, ORCHARD_IMAGE_MAX_BYTES, "
+        "ORCHARD_IMAGE_MAX_PIXELS and ORCHARD_IMAGE_MAX_REQUEST_PIXELS at least 1."
     )
 # The reverse proxies in front of the web processes (addresses or CIDR networks). A request from
 # one of them has its client address read from X-Forwarded-For, right to left, past these; empty:

@@ -76,7 +76,7 @@ class Intake:
         self.batch_id = batch_id  # a batch line's batch (its usage row is marked with it)
         # The request's images by URL, read once however often its prompt is rendered (a
         # response truncated to fit renders it again: inference/services/responses.py).
-        self.images: dict[str, bytes] = {}
+        self.images: dict[str, Any] = {}  # (inference/images ImageInput)
         self.model = ""  # once known, for refusals
         self.price: Price = FREE  # the model's, when it is found: what the request is billed at
         self._work: set[asyncio.Future] = set()

@@ -16,9 +16,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from django.conf import settings
+
 from engine import ModelInfo, PromptInput
 from inference.errors import APIError
-from inference.images import ImageError, image_from_url
+from inference.images import ImageError, ImageInput, image_from_url
 
 # The most images one request may carry (each costs the vision encoder a forward).
 MAX_IMAGES = 16
@@ -41,11 +43,12 @@ async def prompts_with_images(
     *,
     info: ModelInfo,
     model: str,
-    known: dict[str, bytes] | None = None,
+    known: dict[str, ImageInput] | None = None,
 ) -> list[PromptInput]:
     """`prompts` with their images read and checked, ready to render (see the module's doc);
-    APIError (400) for a model without image input, too many images, or an image refused.
-    `known`: the request's images read before, by URL (reused; those read now are added)."""
+    APIError (400) for a model without image input, too many images or pixels, or an image
+    refused. `known`: the request's images read before, by URL (reused; those read now are
+    added)."""
     parts = [image_parts(prompt) for prompt in prompts]
     every = [part for found in parts for part in found]
     if not every:
@@ -65,7 +68,18 @@ async def prompts_with_images(
             param=every[MAX_IMAGES]["param"],
             code="too_many_images",
         )
-    read = iter(await _read(every, {} if known is None else known))
+    images = await _read(every, {} if known is None else known)
+    pixels = sum(image.width * image.height for image in images)
+    limit = settings.ORCHARD_IMAGE_MAX_REQUEST_PIXELS
+    if pixels > limit:
+        raise APIError(
+            400,
+            f"The request's images have {pixels:,} pixels together; a request may carry at "
+            f"most {limit:,}: send fewer or smaller images.",
+            param=every[0]["param"],
+            code="image_too_many_pixels",
+        )
+    read = (image.data for image in images)
     return [
         dataclasses.replace(
             prompt,
@@ -76,18 +90,18 @@ async def prompts_with_images(
     ]
 
 
-async def _read(parts: list[dict[str, Any]], known: dict[str, bytes]) -> list[bytes]:
+async def _read(parts: list[dict[str, Any]], known: dict[str, ImageInput]) -> list[ImageInput]:
     """Each part's image, read and checked, `FETCH_CONCURRENCY` at a time (or from `known`, by
     URL, where read before; the rest are added to it). The first part (in order) that is
     refused is the request's 400: the parts before it are awaited, those after it stopped."""
     gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
-    async def one(part: dict[str, Any]) -> bytes:
+    async def one(part: dict[str, Any]) -> ImageInput:
         url = part["url"]
         if url not in known:
             async with gate:
-                if url not in known:  # (a part before it with the same URL may have read it)
-                    known[url] = (await image_from_url(url)).data
+                if url not in known:  # (a part with the same URL may have read it meanwhile)
+                    known[url] = await image_from_url(url)
         return known[url]
 
     tasks = [asyncio.ensure_future(one(part)) for part in parts]

@@ -57,9 +57,20 @@ async def test_the_first_refused_image_in_order_is_the_requests_400(server):
 async def test_a_requests_images_are_read_once_however_often_its_prompt_is_rendered(server):
     """A response truncated to fit renders its prompt again: the images it read are reused."""
     server.seen.clear()
-    known: dict[str, bytes] = {}
+    known: dict = {}
     request = prompt(server.url("/red.png"), server.url("/photo.jpg"))
     for _ in range(3):
         [again] = await prompts_with_images([request], info=VISION, model="vision", known=known)
         assert again.images == (PNG, JPEG)
     assert sorted(server.paths()) == ["/photo.jpg", "/red.png"]
+
+
+async def test_a_requests_images_together_have_a_pixel_limit(server, settings):
+    settings.ORCHARD_IMAGE_MAX_REQUEST_PIXELS = 64 * 48 * 2  # two of the server's pictures
+    two = prompt(server.url("/red.png"), server.url("/photo.jpg"))
+    [read] = await prompts_with_images([two], info=VISION, model="vision")
+    assert len(read.images) == 2
+    three = prompt(server.url("/red.png"), server.url("/photo.jpg"), server.url("/red.png"))
+    with pytest.raises(APIError) as refused:
+        await prompts_with_images([three], info=VISION, model="vision")
+    assert refused.value.code == "image_too_many_pixels" and "6,144" in refused.value.message
