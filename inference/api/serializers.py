@@ -384,7 +384,7 @@ def _image_part(image_url: Any, at: str) -> dict[str, Any]:
             f"{at}.image_url.detail must be one of {', '.join(IMAGE_DETAILS)}.",
             f"{at}.image_url.detail",
         )
-    return {"type": "image", "url": url, "param": f"{at}.image_url.url"}
+    return {"type": "image", "url": url, "param": f"{at}.image_url.url", "detail": detail}
 
 
 def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:

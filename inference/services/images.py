@@ -2,17 +2,21 @@
 
 Every route turns its image inputs into OpenAI's `image_url` parts of user messages (chat as
 sent; Responses' `input_image` and Anthropic's image blocks by their converters), which
-inference/api/serializers.py normalizes into {"type": "image", "url", "param"} parts. Here, for
-a generation: the model must take images (a 400 naming it otherwise, before anything is
-fetched), each image is read and checked once (inference/images: data URLs always, URLs only
-where fetching is on, the format, bytes and pixels), and the prompt goes to rendering with the
-images' bytes beside messages whose image parts are the template's {"type": "image"}.
+inference/api/serializers.py normalizes into {"type": "image", "url", "param", "detail"}
+parts. Here, for a generation: the model must take images (a 400 naming it otherwise, before
+anything is fetched), each image is read and checked once (inference/images: data URLs always,
+URLs only where fetching is on, the format, bytes and pixels), and the prompt goes to rendering
+with the images' bytes beside messages whose image parts are the template's {"type": "image"}.
+An image sent with `detail: "low"` is first scaled down to 512 pixels on its longest side
+(fewer image tokens, as OpenAI's low detail); `auto` and `high` leave the resolution to the
+model's processor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,7 +83,16 @@ async def prompts_with_images(
             param=every[0]["param"],
             code="image_too_many_pixels",
         )
-    read = (image.data for image in images)
+    read = iter(
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(low_detail, image.data)
+                if part.get("detail") == "low"
+                else _same(image)
+                for part, image in zip(every, images, strict=True)
+            )
+        )
+    )
     return [
         dataclasses.replace(
             prompt,
@@ -88,6 +101,30 @@ async def prompts_with_images(
         )
         for prompt, found in zip(prompts, parts, strict=True)
     ]
+
+
+# OpenAI's `detail: "low"`: the image at most this many pixels on its longest side.
+LOW_DETAIL_SIDE = 512
+
+
+def low_detail(data: bytes) -> bytes:
+    """An image (already checked: inference/images) at most `LOW_DETAIL_SIDE` pixels on its
+    longest side, as PNG; as it was when it is that small already."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as picture:
+        if max(picture.size) <= LOW_DETAIL_SIDE:
+            return data
+        picture.load()  # (an animation's first frame)
+        small = picture.convert("RGB")
+        small.thumbnail((LOW_DETAIL_SIDE, LOW_DETAIL_SIDE))
+        out = io.BytesIO()
+        small.save(out, format="PNG")
+        return out.getvalue()
+
+
+async def _same(image: ImageInput) -> bytes:
+    return image.data
 
 
 async def _read(parts: list[dict[str, Any]], known: dict[str, ImageInput]) -> list[ImageInput]:

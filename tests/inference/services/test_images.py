@@ -1,17 +1,22 @@
 """A request's images read by inference/services/images.py: image URLs fetched together (a
 route of the local image server answers only once every fetch of a request is in at once), the
-images kept in the parts' order, and the first refused part (in order) named by the 400."""
+images kept in the parts' order, the first refused part (in order) named by the 400, each URL
+read once however often the prompt is rendered, a pixel limit on a request's images together,
+and `detail: "low"` scaling an image down."""
 
 import base64
+import io
 import ipaddress
 
 import pytest
+from PIL import Image
 
 from engine import ModelInfo, PromptInput
 from inference.errors import APIError
 from inference.services.images import FETCH_CONCURRENCY, prompts_with_images
-from tests.inference.images.server import JPEG, PNG, ImageServer
+from tests.inference.images.server import JPEG, PNG, ImageServer, picture
 
+PNG_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
 VISION = ModelInfo("vision", 4096, 100, (0,), input_kinds=("text", "image"))
 
 
@@ -74,3 +79,19 @@ async def test_a_requests_images_together_have_a_pixel_limit(server, settings):
     with pytest.raises(APIError) as refused:
         await prompts_with_images([three], info=VISION, model="vision")
     assert refused.value.code == "image_too_many_pixels" and "6,144" in refused.value.message
+
+
+async def test_low_detail_scales_an_image_down_to_512_pixels_on_its_longest_side():
+    large = picture("PNG", width=1200, height=600)
+    inline = "data:image/png;base64," + base64.b64encode(large).decode()
+    parts = [
+        {"type": "image", "url": inline, "param": "a", "detail": "low"},
+        {"type": "image", "url": inline, "param": "b", "detail": "auto"},
+        {"type": "image", "url": inline, "param": "c", "detail": "high"},
+        {"type": "image", "url": PNG_URL, "param": "d", "detail": "low"},  # small already
+    ]
+    request = PromptInput(messages=({"role": "user", "content": parts},))
+    [read] = await prompts_with_images([request], info=VISION, model="vision")
+    low, auto, high, small = read.images
+    assert Image.open(io.BytesIO(low)).size == (512, 256)
+    assert auto == high == large and small == PNG
