@@ -45,7 +45,7 @@ from engine.core.sampled import Sampled, collect, result_arrays
 from engine.core.sampling import SampleResult
 from engine.core.scheduler import PrefillChunk, SchedulerOutput
 from engine.models import mrope
-from engine.models.vision import KEY_BASE, VisionEncoder
+from engine.models.vision import VisionEncoder
 from engine.protocol import RequestStatus
 
 # Finished sequences whose state is worth keeping (an aborted or failed one may be cut short).
@@ -349,7 +349,8 @@ class BatchRunner:
         beyond its cache is its embeddings', not the tower's."""
         if request.request_id not in self._prefill_caches:
             hit = request.prefix_hit
-            self._images(request, hit.length if hit is not None else 0)
+            start = hit.length if hit is not None else 0
+            self.vision.start_prefill(request, start, self.model.model.embed_tokens)
             layout = request.layout
             held = [request.embeddings] if request.embeddings is not None else []
             held += [layout.table, *layout.deepstack] if layout is not None else []
@@ -367,29 +368,6 @@ class BatchRunner:
         cache = start_cache(self.model, self.prefix_cache, hit, room, self.quant)
         request.prefix_hit = None  # (released by start_cache; kept for whoever fails it)
         return cache
-
-    def _images(self, request: Request, start: int) -> None:
-        """A prompt with images, prefilling from `start`: its input embeddings (its images'
-        features at their placeholders; the tokens it had generated, resumed after a
-        preemption) unless a prefix hit covered every image (the rest is text, fed by id, and
-        the encoder does not run); and on an M-RoPE model its positions and decode shift."""
-        images = [image.data for image in request.spec.images]
-        prompt = request.spec.prompt_token_ids
-        where = None
-        if any(t >= KEY_BASE for t in request.prompt_token_ids[start:]):
-            embeddings, where = self.vision.embed(prompt, images)
-            if request.resumed_token_ids:
-                tokens = mx.array(request.resumed_token_ids)[None]
-                generated = self.model.model.embed_tokens(tokens)  # (the served model's)
-                embeddings = mx.concatenate(
-                    [embeddings, generated.astype(embeddings.dtype)], axis=1
-                )
-            request.embeddings = embeddings
-        elif self.vision.mrope:
-            where = self.vision.positions(prompt, images)
-        if where is not None:
-            layout, request.rope_delta = where
-            request.layout = layout.extended(request.num_prefill_tokens, request.rope_delta)
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> tuple[Cache, mx.array | None]:
         """Prefill the rest of several prompts as one padded batch, each from where its cache

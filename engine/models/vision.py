@@ -133,6 +133,29 @@ class VisionEncoder:
         )
         request.prefill_bytes = self.activation_bytes(counts)
 
+    def start_prefill(self, request: Any, start: int, embed_tokens: Any) -> None:
+        """A request (engine/core/request.py) with images, prefilling from `start`: its input
+        embeddings (its images' features at their placeholders; the tokens it had generated,
+        resumed after a preemption, by the served model's `embed_tokens`) unless a prefix hit
+        covered every image (the rest is text, fed by id, and the tower does not run); and on
+        an M-RoPE model its layout and decode shift."""
+        images = [image.data for image in request.spec.images]
+        prompt = request.spec.prompt_token_ids
+        where = None
+        if any(t >= KEY_BASE for t in request.prompt_token_ids[start:]):
+            embeddings, where = self.embed(prompt, images)
+            if request.resumed_token_ids:
+                generated = embed_tokens(mx.array(request.resumed_token_ids)[None])
+                embeddings = mx.concatenate(
+                    [embeddings, generated.astype(embeddings.dtype)], axis=1
+                )
+            request.embeddings = embeddings
+        elif self.mrope:
+            where = self.positions(prompt, images)
+        if where is not None:
+            layout, request.rope_delta = where
+            request.layout = layout.extended(request.num_prefill_tokens, request.rope_delta)
+
     @property
     def image_token(self) -> str:
         """The text that stands for one image in a prompt before `expand`."""
