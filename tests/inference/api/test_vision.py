@@ -37,6 +37,12 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
+def claude_image(data: bytes) -> dict:
+    """An Anthropic image block of PNG bytes, base64."""
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()}
+    return {"type": "image", "source": source}
+
+
 def look(image: bytes, text: str = "What is in this picture?") -> list[dict]:
     return [
         {
@@ -118,17 +124,8 @@ def test_a_qwen_vl_model_answers_images_of_any_shape_on_every_route(clients, liv
     claude = anthropic.Anthropic(base_url=live_server_url, api_key=team_a.api_key, max_retries=0)
     blocks = [
         {"type": "text", "text": "What is in this picture?"},
-        *(
-            {
-                "type": "image",
-                "source": {
-                    "type": "base64",
-                    "media_type": "image/png",
-                    "data": base64.b64encode(data).decode(),
-                },
-            }
-            for data in (RED, wide)
-        ),
+        claude_image(RED),
+        claude_image(wide),
     ]
     message = claude.messages.create(
         model="tiny-qwen-vision",
@@ -168,14 +165,7 @@ def test_responses_and_messages_take_images_too(clients, live_server_url, make_k
             "role": "user",
             "content": [
                 {"type": "text", "text": "What is in this picture?"},
-                {
-                    "type": "image",
-                    "source": {
-                        "type": "base64",
-                        "media_type": "image/png",
-                        "data": base64.b64encode(RED).decode(),
-                    },
-                },
+                claude_image(RED),
             ],
         }
     ]
@@ -242,16 +232,7 @@ def test_images_the_server_cannot_take_are_refused_with_the_reason(
             messages=[
                 {
                     "role": "user",
-                    "content": [
-                        {
-                            "type": "image",
-                            "source": {
-                                "type": "base64",
-                                "media_type": "image/png",
-                                "data": base64.b64encode(RED).decode(),
-                            },
-                        }
-                    ],
+                    "content": [claude_image(RED)],
                 }
             ],
         )
