@@ -201,7 +201,7 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
             param=call.prompt_param,
         )
     inputs = await prompts_with_images(
-        call.prompts, info=info, model=entry.name, known=intake.images
+        call.prompts, info=info, model=entry.name, known=intake.images, run=intake.in_thread
     )
     prompts = [await _render(intake, entry.name, p, call.prompt_param) for p in inputs]
     images = [
@@ -356,7 +356,7 @@ async def prompt_token_count(*, intake: Intake, call: GenerationCall) -> int:
     entry = await intake.model_entry(name=call.model, kind=ModelEntry.Kind.CHAT)
     info = await _serving_model(entry)
     (prompt,) = await prompts_with_images(
-        call.prompts[:1], info=info, model=entry.name, known=intake.images
+        call.prompts[:1], info=info, model=entry.name, known=intake.images, run=intake.in_thread
     )
     rendered = await _render(intake, entry.name, prompt, call.prompt_param)
     return len(rendered.token_ids)

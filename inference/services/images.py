@@ -10,6 +10,10 @@ with the images' bytes beside messages whose image parts are the template's {"ty
 An image sent with `detail: "low"` is first scaled down to 512 pixels on its longest side
 (fewer image tokens, as OpenAI's low detail); `auto` and `high` leave the resolution to the
 model's processor.
+
+Decoding an inline image and scaling one down grow with the image, so they run as the request's
+preparation jobs (`run`: `Intake.in_thread`, fair between teams: inference/services/prework.py),
+never on the event loop; fetching a URL waits on the network and checks only the image's header.
 """
 
 from __future__ import annotations
@@ -17,14 +21,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from django.conf import settings
 
 from engine import ModelInfo, PromptInput
 from inference.errors import APIError
-from inference.images import ImageError, ImageInput, image_from_url
+from inference.images import ImageError, ImageInput, image_from_data_url, image_from_url
+from inference.images.inline import is_data_url
+
+# Runs `fn(*args)` off the event loop: `Intake.in_thread` (a preparation job of the request's team).
+Run = Callable[..., Awaitable[Any]]
 
 # The most images one request may carry (each costs the vision encoder a forward).
 MAX_IMAGES = 16
@@ -48,11 +56,12 @@ async def prompts_with_images(
     info: ModelInfo,
     model: str,
     known: dict[str, ImageInput] | None = None,
+    run: Run = asyncio.to_thread,
 ) -> list[PromptInput]:
     """`prompts` with their images read and checked, ready to render (see the module's doc);
     APIError (400) for a model without image input, too many images or pixels, or an image
     refused. `known`: the request's images read before, by URL (reused; those read now are
-    added)."""
+    added); `run`: where decoding and scaling run (the request's preparation jobs)."""
     parts = [image_parts(prompt) for prompt in prompts]
     every = [part for found in parts for part in found]
     if not every:
@@ -72,7 +81,7 @@ async def prompts_with_images(
             param=every[MAX_IMAGES]["param"],
             code="too_many_images",
         )
-    images = await _read(every, {} if known is None else known)
+    images = await _read(every, {} if known is None else known, run)
     pixels = sum(image.width * image.height for image in images)
     limit = settings.ORCHARD_IMAGE_MAX_REQUEST_PIXELS
     if pixels > limit:
@@ -86,7 +95,7 @@ async def prompts_with_images(
     read = iter(
         await asyncio.gather(
             *(
-                asyncio.to_thread(low_detail, image.data)
+                run(low_detail, image.data)
                 if part.get("detail") == "low"
                 else _same(image)
                 for part, image in zip(every, images, strict=True)
@@ -127,33 +136,42 @@ async def _same(image: ImageInput) -> bytes:
     return image.data
 
 
-async def _read(parts: list[dict[str, Any]], known: dict[str, ImageInput]) -> list[ImageInput]:
+async def _read(
+    parts: list[dict[str, Any]], known: dict[str, ImageInput], run: Run
+) -> list[ImageInput]:
     """Each part's image, read and checked, `FETCH_CONCURRENCY` at a time (or from `known`, by
-    URL, where read before; the rest are added to it). The first part (in order) that is
-    refused is the request's 400: the parts before it are awaited, those after it stopped."""
+    URL, where read before; the rest are added to it); a data URL is decoded by `run`. The
+    first part (in order) that is refused is the request's 400: the parts before it are
+    awaited, those after it stopped."""
     gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
-    async def one(part: dict[str, Any]) -> ImageInput:
-        url = part["url"]
-        if url not in known:
-            async with gate:
-                if url not in known:  # (a part with the same URL may have read it meanwhile)
-                    known[url] = await image_from_url(url)
-        return known[url]
+    async def read(url: str) -> ImageInput:
+        async with gate:
+            image = await (
+                run(image_from_data_url, url) if is_data_url(url) else image_from_url(url)
+            )
+        known[url] = image
+        return image
 
-    tasks = [asyncio.ensure_future(one(part)) for part in parts]
+    # One read per URL, however many parts carry it.
+    tasks = {
+        url: asyncio.ensure_future(read(url))
+        for url in dict.fromkeys(part["url"] for part in parts)
+        if url not in known
+    }
     try:
         images = []
-        for part, task in zip(parts, tasks, strict=True):
+        for part in parts:
             try:
-                images.append(await task)
+                task = tasks.get(part["url"])
+                images.append(known[part["url"]] if task is None else await task)
             except ImageError as exc:
                 raise APIError(400, exc.message, param=part["param"], code=exc.code) from None
         return images
     finally:
-        for task in tasks:
+        for task in tasks.values():
             task.cancel()  # (those still running: after a refusal, or the caller gone)
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
 def _template_messages(prompt: PromptInput) -> tuple[dict[str, Any], ...]:

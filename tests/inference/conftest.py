@@ -107,3 +107,13 @@ def refused_count(expected: int = 1) -> int:
         if count >= expected or time.monotonic() > deadline:
             return count
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    """A local image server for a module's image fetches (tests/inference/images/server.py)."""
+    from tests.inference.images.server import ImageServer
+
+    server = ImageServer()
+    yield server
+    server.close()

@@ -17,11 +17,9 @@ LOCAL = (ipaddress.ip_network("127.0.0.1/32"),)
 POLICY = ImagePolicy(fetch=True, allowed_networks=LOCAL, timeout_seconds=5.0)
 
 
-@pytest.fixture(scope="module")
-def server():
-    server = ImageServer()
-    yield server
-    server.close()
+@pytest.fixture
+def server(image_server):
+    return image_server  # tests/inference/conftest.py
 
 
 @pytest.fixture(autouse=True)

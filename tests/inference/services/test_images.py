@@ -14,17 +14,15 @@ from PIL import Image
 from engine import ModelInfo, PromptInput
 from inference.errors import APIError
 from inference.services.images import FETCH_CONCURRENCY, prompts_with_images
-from tests.inference.images.server import JPEG, PNG, ImageServer, picture
+from tests.inference.images.server import JPEG, PNG, picture
 
 PNG_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
 VISION = ModelInfo("vision", 4096, 100, (0,), input_kinds=("text", "image"))
 
 
-@pytest.fixture(scope="module")
-def server():
-    server = ImageServer()
-    yield server
-    server.close()
+@pytest.fixture
+def server(image_server):
+    return image_server  # tests/inference/conftest.py
 
 
 @pytest.fixture(autouse=True)
@@ -42,12 +40,15 @@ def prompt(*urls: str) -> PromptInput:
 
 
 async def test_a_requests_image_urls_are_fetched_together_and_kept_in_order(server):
-    together = server.url(f"/together.png?n={FETCH_CONCURRENCY}")
+    together = [server.url(f"/together.png?n={FETCH_CONCURRENCY}&i={i}") for i in range(4)]
     jpeg = "data:image/jpeg;base64," + base64.b64encode(JPEG).decode()
-    first, second = prompt(together, jpeg, together), prompt(together, together)
+    first = prompt(together[0], jpeg, together[1], together[0])
+    second = prompt(together[2], together[3])
+    server.seen.clear()
     [one, two] = await prompts_with_images([first, second], info=VISION, model="vision")
-    assert one.images == (PNG, JPEG, PNG) and two.images == (PNG, PNG)
-    assert one.messages[0]["content"] == [{"type": "image"}] * 3
+    assert one.images == (PNG, JPEG, PNG, PNG) and two.images == (PNG, PNG)
+    assert one.messages[0]["content"] == [{"type": "image"}] * 4
+    assert len(server.paths()) == 4  # a URL carried twice is read once
 
 
 async def test_the_first_refused_image_in_order_is_the_requests_400(server):
@@ -95,3 +96,38 @@ async def test_low_detail_scales_an_image_down_to_512_pixels_on_its_longest_side
     low, auto, high, small = read.images
     assert Image.open(io.BytesIO(low)).size == (512, 256)
     assert auto == high == large and small == PNG
+
+
+async def test_decoding_and_scaling_are_preparation_jobs_of_the_requests_team():
+    """An inline image's decoding and its low-detail scaling grow with the image: they run as
+    the request's team's jobs of the fair preparation gate. A team whose job slot is taken
+    waits for it; another team's images are read meanwhile."""
+    import asyncio
+    import functools
+    import threading
+
+    from inference.services.prework import FairGate
+
+    gate = FairGate(workers=2, per_team=1, queue_per_team=8)
+    parts = [
+        {"type": "image", "url": PNG_URL, "param": "a"},
+        {"type": "image", "url": PNG_URL, "param": "b", "detail": "low"},
+    ]
+    request = PromptInput(messages=({"role": "user", "content": parts},))
+    held = threading.Event()
+    blocker = asyncio.ensure_future(gate.in_thread("A", held.wait, 10))
+    await asyncio.sleep(0.05)
+    team_a = asyncio.ensure_future(
+        prompts_with_images(
+            [request], info=VISION, model="vision", run=functools.partial(gate.in_thread, "A")
+        )
+    )
+    [b] = await prompts_with_images(
+        [request], info=VISION, model="vision", run=functools.partial(gate.in_thread, "B")
+    )
+    assert b.images == (PNG, PNG) and not team_a.done()
+    assert gate.waiting("A") == 1  # its one decoding (one per URL) waits for the team's slot
+    held.set()
+    [a] = await team_a
+    assert a.images == (PNG, PNG)
+    await blocker
