@@ -86,7 +86,6 @@ class BatchedEngine(EngineLoop):
                 else None
             ),
         )
-        self.scheduler.background_chunk_tokens = self.pacer.background_tokens
         self.tenants: dict = {}
         hybrid = self.layout is not None and self.layout.hybrid
         self.runner = BatchRunner(
@@ -170,7 +169,6 @@ class BatchedEngine(EngineLoop):
         self.pacer.record(plan, self.runner.prefill_seconds)
         self.scheduler.prefill_chunk_tokens = self.pacer.chunk_tokens
         self.scheduler.admission_chunk_tokens = self.pacer.admission_tokens
-        self.scheduler.background_chunk_tokens = self.pacer.background_tokens
         if self.speculator is not None:
             self.speculator.record(plan.decode, plan.drafts, plan.accepted)
             if plan.decode and not plan.prefill:
@@ -287,10 +285,6 @@ class PrefillPacer:
     measured, so the chunks shrank step after step, to 30 tokens beside 50 rows)."""
 
     TARGET_STEP_S = 0.25
-    # The lowest tier's prompts while a higher tier has requests (engine/core/scheduler.py):
-    # a higher tier's first token waits for the step in flight, so background work adds at
-    # most this much prefill to a step.
-    BACKGROUND_STEP_S = 0.05
     # While a burst of prompts is admitted and nothing decodes yet (fair admission in
     # engine/core/scheduler.py): long enough a step that few decode steps interleave, short
     # enough that the first prompts start streaming early.
@@ -306,7 +300,6 @@ class PrefillPacer:
         self.limit = limit
         self.chunk_tokens = fixed or min(limit, self.START_TOKENS)
         self.admission_tokens = min(limit, 4 * self.chunk_tokens)
-        self.background_tokens = self._background(self.chunk_tokens)
         self._recent: deque[float] = deque(maxlen=self.WINDOW)  # seconds per prompt token
 
     def record(self, plan: SchedulerOutput, prefill_s: float | None) -> None:
@@ -320,11 +313,6 @@ class PrefillPacer:
         self.chunk_tokens = max(self.MIN_TOKENS, min(self.limit, tokens))
         tokens = int(self.ADMISSION_STEP_S / seconds_per_token)
         self.admission_tokens = max(self.MIN_TOKENS, min(self.limit, tokens))
-        self.background_tokens = self._background(self.chunk_tokens)
-
-    def _background(self, chunk_tokens: int) -> int:
-        tokens = int(chunk_tokens * self.BACKGROUND_STEP_S / self.TARGET_STEP_S)
-        return max(self.MIN_TOKENS, min(chunk_tokens, tokens))
 
 
 def _advance(plan: SchedulerOutput) -> None:

@@ -39,9 +39,7 @@ arrival order while sequence slots and memory remain.
   higher tier than every decoding row's pauses their decode (`_pause_lower_tiers`), so the
   higher tier's first token does not wait for a full batch's decode step. While a higher tier
   has requests, the lowest tier keeps only its yield share of the rows (`Yielding`, engine/core/
-  fairness.py: admitted up to it, preempted down to it), and its prompts get at most
-  `background_chunk_tokens` a step (all its chunks and admissions together, never a burst's
-  budget), so the steps stay short: a higher tier's first token waits for the step in flight.
+  fairness.py: admitted up to it, preempted down to it), so the steps stay short.
 """
 
 from __future__ import annotations
@@ -121,10 +119,6 @@ class Scheduler(Preemption):
         # Prefill tokens per step while a burst is admitted and nothing decodes yet (None:
         # the whole budget).
         self.admission_chunk_tokens = admission_chunk_tokens
-        # Prefill tokens per step for the lowest tier while it yields to a higher one (None:
-        # no limit beyond the others); `_background` is what this step has left of it.
-        self.background_chunk_tokens: int | None = None
-        self._background: int | None = None
         self.speculator = speculator
         self.prefix_cache = prefix_cache
         self.memory = memory
@@ -158,11 +152,8 @@ class Scheduler(Preemption):
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         turns = Turns(self) if self.fairness is not None and self.waiting else None
-        self._background = None
-        if self.fairness is not None and self.fairness.yielding.step(
-            [*self.running, *self.waiting]
-        ):
-            self._background = self.background_chunk_tokens
+        if self.fairness is not None:
+            self.fairness.yielding.step([*self.running, *self.waiting])
         if turns is not None and self.allow_preemption:
             self._make_room(output, turns)
             for victim in self.fairness.yielding.over(self.running):
@@ -203,11 +194,10 @@ class Scheduler(Preemption):
                 break
             if any(chunk.request is request for chunk in output.prefill):
                 continue
-            chunk = self._chunk(request, min(budget, limit, self._background_for(request)))
-            if chunk and chunk.num_tokens:
+            chunk = self._chunk(request, min(budget, limit))
+            if chunk:
                 output.prefill.append(chunk)
                 budget -= chunk.num_tokens
-                self._spend_background(request, chunk.num_tokens)
         self._admit(output, budget, turns, burst)
         if turns is not None or self._paused:
             self._pause_lower_tiers(output)
@@ -263,8 +253,6 @@ class Scheduler(Preemption):
             if yielding is not None and yielding.yields(request):
                 if yielded + len(request.sequences) > yielding.max_rows:
                     break  # a higher tier has work: the lower ones hold their share only
-                if self._background_for(request) <= 0:
-                    break  # nor more prefill a step than it may have beside it
                 yielded += len(request.sequences)
             if id(request) in just_preempted:
                 break  # its state reaches the prefix cache only when the runner has run
@@ -287,22 +275,10 @@ class Scheduler(Preemption):
             if self.fairness is not None and not request.num_preemptions:
                 uncached = request.num_prompt_tokens - request.sequences[0].num_computed_tokens
                 self.fairness.charge_prefill(request, uncached)
-            chunk = self._chunk(request, min(budget, self._background_for(request)))
+            chunk = self._chunk(request, budget)
             output.prefill.append(chunk)
             budget -= chunk.num_tokens
-            self._spend_background(request, chunk.num_tokens)
         return budget
-
-    def _background_for(self, request: Request) -> int:
-        """The prefill tokens `request` may take this step as background work (the lowest tier
-        while it yields); unlimited otherwise."""
-        if self._background is None or not self.fairness.yielding.yields(request):
-            return self.max_num_batched_tokens
-        return self._background
-
-    def _spend_background(self, request: Request, num_tokens: int) -> None:
-        if self._background is not None and self.fairness.yielding.yields(request):
-            self._background -= num_tokens
 
     def account(self, sampled) -> None:
         """After a step: charge each generated token to its request's tenant."""

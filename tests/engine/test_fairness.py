@@ -289,32 +289,6 @@ def test_the_lowest_tier_yields_rows_while_a_higher_tier_has_work():
     assert sched.num_running_seqs == 16  # alone again: the batch fills the engine
 
 
-def test_the_lowest_tiers_prompts_take_a_background_budget_while_a_higher_tier_has_work():
-    """A higher tier's first token waits for the step in flight: while it has requests, the flex
-    prompts (chunks and admissions together) prefill at most `background_chunk_tokens` a step,
-    never a burst's budget; alone again, they take the whole budget."""
-    sched = scheduler(max_num_seqs=16, tokens=512, min_tier_share=0.1, yield_share=0.5)
-    sched.prefill_chunk_tokens, sched.admission_chunk_tokens = 128, 512
-    sched.background_chunk_tokens = 24
-    backlog(sched, "A", 400, tier="flex", num_prompt=50, max_tokens=6)
-    _, plan = step(sched)
-    assert sum(chunk.num_tokens for chunk in plan.prefill) == 500  # a burst, alone: 10 prompts
-    sched.add(request("d1", "B", tier="default", num_prompt=30, max_tokens=200))
-    flex_prefill, steps = [], 0
-    while any(r.service.tier == "default" for r in sched.running + list(sched.waiting)):
-        _, plan = step(sched)
-        steps += 1
-        flex = [c for c in plan.prefill if c.request.service.tier == "flex"]
-        assert sum(c.num_tokens for c in flex) <= 24
-        flex_prefill.append(sum(c.num_tokens for c in flex))
-    # The background still moves: flex prompts go on being prefilled and finishing.
-    assert sum(flex_prefill) >= 20 * steps
-    for _ in range(40):
-        step(sched)  # the hold ends
-    _, plan = step(sched)
-    assert sum(c.num_tokens for c in plan.prefill) > 24
-
-
 def test_counters_are_forgotten_when_the_engine_is_idle():
     sched = scheduler(max_num_seqs=2)
     backlog(sched, "A", 3, max_tokens=2)
