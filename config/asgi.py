@@ -1,6 +1,7 @@
 """ASGI entry point: HTTP goes through the body cap (inference/body_cap.py: a body over
 ORCHARD_MAX_BODY_BYTES, or its route's own cap, e.g. the file limit on uploads to /v1/files, is a
-413 before Django reads it) to Django's own ASGI handler (it notices client disconnects while
+413 before Django reads it; daphne drops such a body as it arrives and parses none:
+common/daphne_requests.py) to Django's own ASGI handler (it notices client disconnects while
 streaming and cancels the view, which aborts the generation), with each request's sync thread taken
 from a pool (common/request_threads.py): a key whose rpm refusal is held is answered before Django
 (inference/refused_keys.py), the /v1 routes a key authenticates go to a handler with the API's own
@@ -23,6 +24,7 @@ django.setup(set_prefix=False)
 from django.conf import settings  # noqa: E402
 from django.urls import path, reverse  # noqa: E402
 
+from common import daphne_requests  # noqa: E402
 from common.request_threads import PooledASGIHandler  # noqa: E402
 from inference.batches.file_views import upload_body_cap  # noqa: E402
 from inference.body_cap import BodyCapMiddleware  # noqa: E402
@@ -72,6 +74,8 @@ django_asgi_app = BodyCapMiddleware(
         reverse("v1-files"): upload_body_cap(),
     },
 )
+# Under daphne: no body parsed by Twisted, and one over its cap dropped as it arrives.
+daphne_requests.install(django_asgi_app.cap_for)
 
 
 application = ProtocolTypeRouter(

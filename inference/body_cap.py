@@ -15,8 +15,10 @@ The answer has the route's shape: OpenAI's error body on /v1, Anthropic's on /v1
 also checks against DATA_UPLOAD_MAX_MEMORY_SIZE).
 
 Daphne (Twisted) receives a whole request, spooling a large body to a temporary file, before any
-application sees it: under daphne the network side of a huge upload is the reverse proxy's to
-stop (`client_max_body_size`, docs/deploying.md); a server that streams bodies to the application
+application sees it; in daphne's process a body whose Content-Length is over its route's cap is
+dropped as it arrives instead (common/daphne_requests.py, with `cap_for`), but its bytes are
+still read: the network side of a huge upload is the reverse proxy's to stop
+(`client_max_body_size`, docs/deploying.md); a server that streams bodies to the application
 (uvicorn, hypercorn) stops reading at the cap.
 """
 

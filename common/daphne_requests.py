@@ -1,0 +1,96 @@
+"""What daphne (Twisted) does with a request's body before the application sees it, made to fit
+a server many teams share.
+
+Daphne receives a whole request before it calls the application, keeping a body over 100 kB in a
+temporary file, and Twisted's `Request` then parses every multipart or URL-encoded POST body into
+`request.args` (the email parser, the whole body in memory, on the event loop), which daphne
+never reads. So, in the daphne process:
+
+- no body is parsed into `args`: a 200 MiB upload to /v1/files is no longer read into memory
+  and parsed on the event loop every team's requests share, before the view streams it;
+- a body whose Content-Length is over its route's cap (`cap_for`: the body cap's own,
+  inference/body_cap.py) is dropped as it arrives: the cap answers 413 from the headers alone,
+  so the bytes are read off the socket (a client sends its body before it reads the answer)
+  and thrown away, never written to a file nor handed to the application.
+
+`install` swaps daphne's request class for a subclass (daphne builds each connection's requests
+from `daphne.http_protocol.WebRequest`); it changes nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from urllib.parse import unquote
+
+
+class DroppedBody:
+    """A request body's file that keeps nothing: its size only (Twisted asks `tell()`)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return 0
+
+    def read(self, size: int = -1) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def declared_length(request) -> int | None:
+    """The Content-Length as the body cap reads it (its first header, as an integer)."""
+    values = request.requestHeaders.getRawHeaders(b"content-length") or []
+    try:
+        return int(values[0]) if values else None
+    except ValueError:
+        return None
+
+
+def request_path(request) -> str | None:
+    """The request's path as the application's scope will carry it; None if daphne would
+    refuse it (not ASCII) or the line is not known yet."""
+    target = getattr(request.channel, "_path", None)
+    if not isinstance(target, bytes):
+        return None
+    try:
+        return unquote(target.split(b"?", 1)[0].decode("ascii"))
+    except UnicodeDecodeError:
+        return None
+
+
+def install(cap_for: Callable[[str], int]) -> None:
+    """Use the request class below for daphne's connections from now on (idempotent)."""
+    from daphne import http_protocol
+
+    base = getattr(http_protocol.WebRequest, "orchard_base", http_protocol.WebRequest)
+
+    class Request(base):
+        orchard_base = base
+
+        def __init__(self, *args, **kwargs):
+            kwargs["parsePOSTFormSubmission"] = False
+            super().__init__(*args, **kwargs)
+
+        def gotLength(self, length):  # (Twisted's name)
+            path = request_path(self)
+            if (
+                length is not None
+                and path is not None
+                and declared_length(self) == length
+                and length > cap_for(path)
+            ):
+                self.content = DroppedBody()  # BodyCapMiddleware answers 413 from the headers
+                return
+            super().gotLength(length)
+
+    http_protocol.WebRequest = Request

@@ -1,0 +1,87 @@
+"""Daphne's side of the body cap (common/daphne_requests.py), on Twisted's own HTTP channel fed
+raw bytes: a body over its route's cap is dropped as it arrives (only its size is kept, for the
+413 the cap answers from the headers), one within it is kept whole, and no POST body is parsed
+into Twisted's `args` (a multipart upload would be read into memory and parsed on the event
+loop). Over real HTTP the 413s are tests/inference/test_body_cap.py's."""
+
+from types import SimpleNamespace
+
+from daphne import http_protocol
+from django.conf import settings
+from twisted.internet.testing import StringTransport
+from twisted.web.http import HTTPChannel
+
+from common import daphne_requests
+from common.daphne_requests import DroppedBody
+from inference.body_cap import BodyCapMiddleware
+
+CAP = settings.ORCHARD_MAX_BODY_BYTES
+SMALL_CAP = 4096  # a route with a smaller cap of its own
+# As config/asgi.py installs it in daphne's process: the body cap's own caps.
+daphne_requests.install(
+    BodyCapMiddleware(None, max_bytes=CAP, route_max_bytes={"/v1/small": SMALL_CAP}).cap_for
+)
+
+
+class _Server:
+    def protocol_connected(self, protocol) -> None:
+        pass
+
+
+def received(path: bytes, body: bytes, content_type: bytes = b"application/json"):
+    """The request daphne's channel builds for a POST of `body` to `path`, as it stands when
+    the whole request is in (before it goes to the application)."""
+    seen = []
+
+    class Request(http_protocol.WebRequest):
+        def process(self):
+            seen.append(self)
+
+    channel = HTTPChannel()
+    channel.requestFactory = Request
+    channel.factory = SimpleNamespace(server=_Server())
+    channel.makeConnection(StringTransport())
+    head = (
+        b"POST "
+        + path
+        + b" HTTP/1.1\r\nHost: orchard\r\nContent-Type: "
+        + content_type
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+    )
+    channel.dataReceived(head)
+    for start in range(0, len(body), 1 << 16):  # as the socket delivers it
+        channel.dataReceived(body[start : start + (1 << 16)])
+    (request,) = seen
+    return request
+
+
+def test_a_body_over_its_routes_cap_is_dropped_as_it_arrives():
+    request = received(b"/v1/chat/completions?stream=1", b"x" * (CAP + 1))
+    assert isinstance(request.content, DroppedBody) and request.content.size == CAP + 1
+    assert request.content.read() == b""
+
+
+def test_a_body_within_its_routes_cap_is_kept_whole():
+    body = b"x" * (CAP - 10)
+    request = received(b"/v1/chat/completions", body)
+    assert not isinstance(request.content, DroppedBody)
+    request.content.seek(0)
+    assert request.content.read() == body
+    # A route's own cap: by its path as the application sees it (percent-decoded, no query).
+    small = received(b"/v1/%73mall?x=1", b"y" * (SMALL_CAP + 1))
+    assert isinstance(small.content, DroppedBody) and small.content.size == SMALL_CAP + 1
+
+
+def test_no_post_body_is_parsed_into_twisteds_args():
+    boundary = b"b0undary"
+    body = (
+        b"--" + boundary + b'\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; '
+        b'filename="lines.jsonl"\r\n\r\n' + b"{}\n" * 1000 + b"\r\n--" + boundary + b"--\r\n"
+    )
+    request = received(b"/v1/files", body, b"multipart/form-data; boundary=" + boundary)
+    assert request.args == {}
+    request.content.seek(0)
+    assert request.content.read() == body  # the view reads it, as it came
