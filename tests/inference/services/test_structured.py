@@ -16,6 +16,7 @@ from inference.services.structured import (
     bounded_integers,
     extension_grammar,
     json_schema_grammar,
+    json_size_past,
     response_format_grammar,
     tool_call_grammar,
 )
@@ -130,6 +131,23 @@ def test_a_grammar_over_the_budget_is_refused_naming_the_limit_before_it_is_chec
     with pytest.raises(APIError, match="at least"):
         json_schema_grammar(schema, "response_format")
     assert built == []  # a schema over the limit by itself is not even turned into a grammar
+
+
+def test_a_schemas_size_is_bounded_from_below_and_the_walk_stops_past_the_limit():
+    """The size check never refuses a schema whose JSON is within the limit, and stops walking
+    a huge one once it has seen more than the limit (not a serialization of all of it)."""
+
+    schema = {
+        "type": "object",
+        "properties": {"é\"name": {"enum": [None, True, 1.5, -20, "a\\b", [], {}]}},
+        "required": ["é\"name"],
+    }
+    exact = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+    assert json_size_past(schema, exact) is None
+    assert exact - 10 <= json_size_past(schema, exact - 10) <= exact
+
+    huge = {"enum": [f"{i:05d}" + "x" * 95 for i in range(1000)]}  # ~103 kB of JSON
+    assert 10_000 < json_size_past(huge, 10_000) < 10_200  # it stopped just past the limit
 
 
 def test_a_grammar_is_checked_once_whatever_the_number_of_requests(monkeypatch):
