@@ -9,7 +9,8 @@ with `--layout remote`, the engines in one `manage.py runengine` worker over Red
 docs/deploying.md describes for more than one machine).
 
 Team B probes the whole time, one request after another on each of two connections: `GET
-/v1/models` (its latency) and a streamed chat completion of 4 tokens (its time to first token).
+/v1/models` (its latency) and a streamed chat completion of 4 tokens (its time to first token;
+the chats' usage rows say how much of it was the engine's, from the request's submission to it).
 First alone (the baseline), then while team A runs each abuse in a loop, one abuse at a time, from
 processes of its own (so A's client work does not slow B's measuring):
 
@@ -69,6 +70,8 @@ class Probe:
     models_ms: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    # The chats' usage rows: time to first token from the request's submission to the engine.
+    engine_ttft_ms: list[float] = field(default_factory=list)
 
     def row(self) -> tuple[float, float, float, float]:
         return (
@@ -77,6 +80,26 @@ class Probe:
             statistics.median(self.ttft_ms),
             p99(self.ttft_ms),
         )
+
+
+def measure(base_url: str, key: str, seconds: float) -> Probe:
+    """`probe`, with the engine's side of each chat's first token from its usage row."""
+    from django.utils import timezone
+
+    from inference.models import UsageRecord
+
+    since = timezone.now()
+    result = asyncio.run(probe(base_url, key, seconds))
+    rows = UsageRecord.objects.filter(
+        team__name="team-b", started_at__gte=since, time_to_first_token_ms__isnull=False
+    )
+    deadline = time.monotonic() + 10
+    while rows.count() < len(result.ttft_ms) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the server finishes a row right after the stream's last chunk
+    result.engine_ttft_ms = [
+        float(ms) for ms in rows.values_list("time_to_first_token_ms", flat=True)
+    ]
+    return result
 
 
 async def probe(base_url: str, key: str, seconds: float) -> Probe:
@@ -267,7 +290,7 @@ def run_abuse(base_url: str, keys: dict[str, str], kind: str, seconds: float) ->
     process = context.Process(target=abuser_process, args=(base_url, key, kind, stop_at, send))
     process.start()
     time.sleep(3)  # the abuse under way before B measures
-    measured = asyncio.run(probe(base_url, keys["team-b"], seconds))
+    measured = measure(base_url, keys["team-b"], seconds)
     statuses = receive.recv() if receive.poll(180) else {}
     process.join(30)
     return measured, statuses
@@ -302,7 +325,7 @@ def main() -> None:
         server.start()
         base_url = server.url
         asyncio.run(probe(base_url, keys["team-b"], 3))  # warm: the models load
-        baseline = asyncio.run(probe(base_url, keys["team-b"], args.seconds))
+        baseline = measure(base_url, keys["team-b"], args.seconds)
         print(f"alone: {baseline.row()}", flush=True)
         rows = []
         for kind in kinds:
@@ -334,10 +357,11 @@ def report(args, load_before: str, baseline: Probe, rows: list, sizes: list[int]
         f"{TARGET:.0f}x):",
         "",
         "| team A runs | /v1/models median | p99 | ratio | chat TTFT median | p99 | ratio | "
-        "B's requests | B's failures | A's answers |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "of it the engine's, median | B's requests | B's failures | A's answers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         f"| nothing | {base[0]:.1f} | {base[1]:.1f} | 1.0 | {base[2]:.1f} | {base[3]:.1f} | "
-        f"1.0 | {len(baseline.models_ms) + len(baseline.ttft_ms)} | {len(baseline.failures)} | |",
+        f"1.0 | {_median(baseline.engine_ttft_ms)} | "
+        f"{len(baseline.models_ms) + len(baseline.ttft_ms)} | {len(baseline.failures)} | |",
     ]
     verdicts = []
     for kind, measured, statuses in rows:
@@ -348,7 +372,8 @@ def report(args, load_before: str, baseline: Probe, rows: list, sizes: list[int]
         answers = ", ".join(f"{count}× {status}" for status, count in sorted(statuses.items()))
         lines.append(
             f"| {kind} | {row[0]:.1f} | {row[1]:.1f} | {models_ratio:.2f} | {row[2]:.1f} | "
-            f"{row[3]:.1f} | {ttft_ratio:.2f} | {len(measured.models_ms) + len(measured.ttft_ms)}"
+            f"{row[3]:.1f} | {ttft_ratio:.2f} | {_median(measured.engine_ttft_ms)} | "
+            f"{len(measured.models_ms) + len(measured.ttft_ms)}"
             f" | {len(measured.failures)} | {answers} |"
         )
     half = len(sizes) // 2
@@ -364,6 +389,10 @@ def report(args, load_before: str, baseline: Probe, rows: list, sizes: list[int]
         f"({sum(verdicts)} of {len(verdicts)} abuses within {TARGET:.0f}x, no failures).",
     ]
     return "\n".join(lines)
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f}" if values else "–"
 
 
 if __name__ == "__main__":
