@@ -6,6 +6,7 @@ loop). Over real HTTP the 413s are tests/inference/test_body_cap.py's."""
 
 from types import SimpleNamespace
 
+import pytest
 from daphne import http_protocol
 from django.conf import settings
 from twisted.internet.testing import StringTransport
@@ -17,10 +18,18 @@ from inference.body_cap import BodyCapMiddleware
 
 CAP = settings.ORCHARD_MAX_BODY_BYTES
 SMALL_CAP = 4096  # a route with a smaller cap of its own
-# As config/asgi.py installs it in daphne's process: the body cap's own caps.
-daphne_requests.install(
-    BodyCapMiddleware(None, max_bytes=CAP, route_max_bytes={"/v1/small": SMALL_CAP}).cap_for
-)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def installed():
+    """The request class as config/asgi.py installs it in daphne's process (with the body
+    cap's own caps), for this module only: daphne's own class is put back after it."""
+    original = http_protocol.WebRequest
+    daphne_requests.install(
+        BodyCapMiddleware(None, max_bytes=CAP, route_max_bytes={"/v1/small": SMALL_CAP}).cap_for
+    )
+    yield
+    http_protocol.WebRequest = original
 
 
 class _Server:
