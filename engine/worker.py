@@ -17,13 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine.cache.disk import PrefixDiskConfig
 from engine.cache.host import HostMemory
 from engine.core.batched import BatchedEngine
 from engine.core.embedding import EmbeddingEngine, EmbeddingJob
-from engine.core.loop import EngineLoop, describe
+from engine.core.loop import EngineLoop
 from engine.core.request import Emit
 from engine.core.simple import SimpleEngine
 from engine.futures import mirror, resolved, start_after
@@ -39,19 +38,14 @@ from engine.protocol import (
     ModelNotLoadedError,
     ModelSpec,
     ModelStatus,
+    describe,
 )
 from engine.residency import Residency, wait_for_room
+from engine.supervision import LOAD_RETRY_AFTER_S, LoadFailure, Restarts
 
 logger = logging.getLogger(__name__)
 
 ENGINES: dict[str, type[EngineLoop]] = {"batched": BatchedEngine, "simple": SimpleEngine}
-# A spec whose load failed is not retried by requests before this many seconds: a broken path
-# must not cost every request a load attempt. `load` (an admin's reload) retries at once.
-LOAD_RETRY_AFTER_S = 60.0
-# An engine whose loop dies is started again after the first delay; one that dies again soon
-# after (within RESTART_RESET_S of its restart) waits twice as long, up to the last.
-RESTART_DELAYS_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
-RESTART_RESET_S = 60.0
 
 Loader = Callable[[ModelSpec], LoadedModel]
 EmbeddingLoader = Callable[[ModelSpec], EmbeddingModel]
@@ -65,15 +59,6 @@ def load_spec(spec: ModelSpec) -> LoadedModel:
 
 def load_embedding_spec(spec: ModelSpec) -> EmbeddingModel:
     return EmbeddingModel(spec.path, name=spec.name)
-
-
-@dataclass(frozen=True)
-class _Failure:
-    spec: ModelSpec
-    error: str
-    at: float  # time.time()
-    retry_at: float  # time.monotonic()
-    code: str = ModelLoadError.code
 
 
 class EngineWorker:
@@ -108,9 +93,9 @@ class EngineWorker:
         self._engine_classes = engines or ENGINES
         self._engines: dict[str, Engine] = {}  # serving (or dead after serving) per name
         self._loading: dict[str, tuple[Engine, concurrent.futures.Future[Info]]] = {}
-        self._failures: dict[str, _Failure] = {}  # the last failed load per name
+        self._failures: dict[str, LoadFailure] = {}  # the last failed load per name
         self._retired: list[Engine] = []  # replaced engines, possibly still draining
-        self._restarts: dict[str, tuple[int, float]] = {}  # name -> (deaths in a row, last at)
+        self._restarts = Restarts()
         self._closed = False
         self._lock = threading.Lock()
 
@@ -148,9 +133,7 @@ class EngineWorker:
                 self.residency.hold(spec.name)
             current = self._engines.get(spec.name)
             failure = self._failures.get(spec.name)
-            recent = (
-                failure is not None and failure.spec == spec and time.monotonic() < failure.retry_at
-            )
+            recent = failure is not None and failure.blocks(spec)
             if current is not None and current.is_serving and current.spec.kind == spec.kind:
                 if current.spec == spec:
                     # The registry is back on the serving spec: an older failure is moot.
@@ -187,8 +170,9 @@ class EngineWorker:
             # Kept for `status` (the admin, remote web processes) but retried by the next
             # request: room may have freed by then.
             error = ModelCapacityError(self.residency.no_room_message(spec))
-            now = time.monotonic()
-            self._failures[spec.name] = _Failure(spec, str(error), time.time(), now, error.code)
+            self._failures[spec.name] = LoadFailure.now(
+                spec, str(error), retry_after=0.0, code=error.code
+            )
             future: concurrent.futures.Future[Info] = concurrent.futures.Future()
             future.set_exception(error)
             return future
@@ -249,8 +233,11 @@ class EngineWorker:
                 self._failures.pop(name, None)
                 engine.ended.add_done_callback(lambda ended: self._ended(engine, ended.result()))
             else:
-                self._failures[name] = _Failure(
-                    engine.spec, describe(error), time.time(), time.monotonic() + LOAD_RETRY_AFTER_S
+                self._failures[name] = LoadFailure.now(
+                    engine.spec,
+                    describe(error),
+                    retry_after=LOAD_RETRY_AFTER_S,
+                    code=ModelLoadError.code,
                 )
             if old is not None:
                 self._retired = [e for e in self._retired if e.is_alive()] + [old]
@@ -270,11 +257,7 @@ class EngineWorker:
         with self._lock:
             if self._closed or self._engines.get(name) is not engine:
                 return
-            deaths, last = self._restarts.get(name, (0, 0.0))
-            now = time.monotonic()
-            deaths = deaths + 1 if now - last < RESTART_RESET_S else 1
-            self._restarts[name] = (deaths, now)
-        delay = RESTART_DELAYS_S[min(deaths, len(RESTART_DELAYS_S)) - 1]
+            delay = self._restarts.died(name)
         logger.error("engine for %s died (%s); restarting it in %.0f s", name, error, delay)
         timer = threading.Timer(delay, self._restart, (engine,))
         timer.daemon = True
@@ -314,7 +297,7 @@ class EngineWorker:
             failed_spec=failure.spec if failure is not None else None,
             failure_code=failure.code if failure is not None else None,
             stats=current.stats() if current is not None and current.is_serving else None,
-            restarts=self._restarts.get(name, (0, 0.0))[0],
+            restarts=self._restarts.count(name),
         )
 
     def unload(self, name: str) -> None:
@@ -340,7 +323,7 @@ class EngineWorker:
         engine = self._engines.pop(name, None)
         self._loading.pop(name, None)
         self._failures.pop(name, None)
-        self._restarts.pop(name, None)
+        self._restarts.forget(name)
         if engine is not None:
             self._retired = [e for e in self._retired if e.is_alive()] + [engine]
             # Its memory is free once its requests end; an idle engine's at once.

@@ -41,21 +41,12 @@ from django.utils import timezone
 
 from accounts.limits.base import (
     BUDGET_IDLE_SECONDS,
-    CODE_QUOTA,
-    CODE_RATE_LIMIT,
-    ERROR_BUDGET,
-    ERROR_PARALLEL,
-    ERROR_REQUESTS,
-    ERROR_TOKENS,
-    ERROR_TOO_LARGE,
     ERROR_UNAVAILABLE,
     PARALLEL_LEASE_SECONDS,
     WINDOW_SECONDS,
     Admission,
     Limiter,
     LimiterUnavailable,
-    RateLimitExceeded,
-    format_duration,
 )
 from accounts.limits.budgets import (
     BudgetLimit,
@@ -66,6 +57,17 @@ from accounts.limits.budgets import (
 )
 from accounts.limits.memory import InProcessLimiter
 from accounts.limits.redis import RedisLimiter
+from accounts.limits.refusals import (
+    CODE_QUOTA,
+    CODE_RATE_LIMIT,
+    ERROR_BUDGET,
+    ERROR_PARALLEL,
+    ERROR_REQUESTS,
+    ERROR_TOKENS,
+    ERROR_TOO_LARGE,
+    RateLimitExceeded,
+    format_duration,
+)
 from accounts.models import ApiKey
 from accounts.selectors import api_key_month_tokens, month_start
 

@@ -1,6 +1,6 @@
-"""What both limiter backends share: limits, verdicts, refusal errors, x-ratelimit-* headers, and
-the backend-independent half of admission (the budgets a key spends, seeding, cancellation, the
-Admission)."""
+"""What both limiter backends share: limits, verdicts, and the backend-independent half of
+admission (the budgets a key spends, seeding, cancellation, the Admission). Refusals and the
+x-ratelimit-* headers are in refusals.py."""
 
 import asyncio
 import dataclasses
@@ -8,36 +8,20 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
-from accounts.limits.budgets import BudgetLimit, budget_limits_for, budget_used, tightest
+from accounts.limits.budgets import BudgetLimit, budget_limits_for, budget_used
+from accounts.limits.refusals import (
+    ratelimit_headers,
+    refusal,
+)
+from accounts.limits.verdicts import Limits, Status, Verdict
 from accounts.models import ApiKey
 from common.request_threads import detach
 
 logger = logging.getLogger(__name__)
-
-CODE_RATE_LIMIT = "rate_limit_exceeded"
-CODE_QUOTA = "insufficient_quota"
-
-ERROR_REQUESTS = "Rate limit reached for requests per minute (limit {limit}). Try again in {reset}."
-ERROR_TOKENS = (
-    "Rate limit reached for tokens per minute (limit {limit}, in use {used}, requested "
-    "{requested}). Try again in {reset}."
-)
-ERROR_TOO_LARGE = (
-    "Request too large for tokens per minute (limit {limit}, requested {requested}). Lower "
-    "max_tokens or shorten the prompt."
-)
-ERROR_PARALLEL = "Too many parallel requests for this key (limit {limit}). Try again shortly."
-# `budget` says whose and which: "key's monthly token budget", "team's monthly money budget"
-# (accounts/limits/budgets.py), and `name` who that is.
-ERROR_BUDGET = (
-    "This {budget} is exhausted ({name}: budget {limit}, used or reserved {used}, requested "
-    "{requested})."
-)
 
 WINDOW_SECONDS = 60
 # A request that outlives its lease stops holding a parallel slot; long enough for any real
@@ -55,24 +39,6 @@ class LimiterUnavailable(Exception):
     """The shared counters (Redis) did not answer in time; the API answers 503."""
 
     code = "limits_unavailable"
-
-
-class RateLimitExceeded(Exception):
-    def __init__(
-        self,
-        message: str,
-        *,
-        code: str,
-        limit: str,
-        headers: dict[str, str],
-        budget: BudgetLimit | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        self.limit = limit  # which limit refused: "requests", "tokens", "parallel", "budget"
-        self.headers = headers
-        self.budget = budget  # the budget that ran out, when one did
 
 
 @dataclass
@@ -122,49 +88,6 @@ class Admission:
         await self._release(max(0, used_tokens), max(0, used_cost))
 
 
-class Status(IntEnum):
-    ADMITTED = 0
-    REJECTED = 1
-    NEED_SEED = 2
-
-
-@dataclass(frozen=True)
-class Limits:
-    ident: str
-    api_key_id: int
-    team_id: int
-    rpm: int | None
-    tpm: int | None
-    max_parallel: int | None
-    budgets: tuple[BudgetLimit, ...] = ()  # every budget the request spends
-
-    @classmethod
-    def of(cls, api_key: ApiKey, budgets: tuple[BudgetLimit, ...] = ()) -> "Limits":
-        """The key's limits; a playground key's are those of the key it was made from, the
-        same counters (authentication loads that key with it)."""
-        if api_key.parent_id is not None:
-            api_key = api_key.parent
-        return cls(
-            ident=api_key.prefix,
-            api_key_id=api_key.pk,
-            team_id=api_key.team_id,
-            rpm=api_key.rpm,
-            tpm=api_key.tpm,
-            max_parallel=api_key.max_parallel,
-            budgets=budgets,
-        )
-
-    @property
-    def counters(self) -> tuple[BudgetLimit, ...]:
-        """The budgets the backends check: one per counter, the tightest."""
-        return tightest(self.budgets)
-
-    @property
-    def unlimited(self) -> bool:
-        limits = (self.rpm, self.tpm, self.max_parallel)
-        return all(v is None for v in limits) and not self.budgets
-
-
 async def limits_with_budgets(api_key: ApiKey) -> Limits:
     """The key's limits and the budgets a request of it spends today. Authentication reads the
     budget rows with the key (`api_key.budget_rows`); a key loaded otherwise has them read
@@ -178,92 +101,6 @@ async def limits_with_budgets(api_key: ApiKey) -> Limits:
     else:
         budgets = budget_limits_for(api_key, day, rows)
     return Limits.of(api_key, budgets)
-
-
-@dataclass
-class Verdict:
-    status: Status
-    reason: str = ""  # "requests" | "tokens" | "too_large" | "parallel" | "budget"
-    requests: int = 0  # in the rpm window (after this admission when admitted)
-    tokens: int = 0  # in the tpm window
-    requests_reset_ms: int = 0  # until the rpm window is empty
-    tokens_reset_ms: int = 0
-    retry_ms: int = -1  # until the refused limit has room; -1 unknown
-    budget_used: int = 0  # the refusing budget's finished + in flight, before this request
-    budget_index: int = -1  # which of `Limits.counters` refused
-    need_seeds: tuple[int, ...] = ()  # which of `Limits.counters` need their seed (NEED_SEED)
-    granted: int = 0  # tokens reserved when admitted
-    inflight: int = 0  # requests holding a parallel slot (counted for keys with max_parallel)
-
-
-def format_duration(ms: int) -> str:
-    """OpenAI's (Go's) duration format: "20ms", "1s", "1.5s", "6m0s", "1h0m0s"."""
-    ms = max(0, int(ms))
-    if ms == 0:
-        return "0s"
-    if ms < 1000:
-        return f"{ms}ms"
-    hours, rest = divmod(ms, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
-    if hours:
-        return f"{hours}h{minutes}m{seconds}s"
-    if minutes:
-        return f"{minutes}m{seconds}s"
-    return f"{seconds}s"
-
-
-def _headers(limits: Limits, verdict: Verdict) -> dict[str, str]:
-    headers = {}
-    if limits.rpm is not None:
-        headers["x-ratelimit-limit-requests"] = str(limits.rpm)
-        headers["x-ratelimit-remaining-requests"] = str(max(0, limits.rpm - verdict.requests))
-        headers["x-ratelimit-reset-requests"] = format_duration(verdict.requests_reset_ms)
-    if limits.tpm is not None:
-        headers["x-ratelimit-limit-tokens"] = str(limits.tpm)
-        headers["x-ratelimit-remaining-tokens"] = str(max(0, limits.tpm - verdict.tokens))
-        headers["x-ratelimit-reset-tokens"] = format_duration(verdict.tokens_reset_ms)
-    return headers
-
-
-def _refusal(
-    limits: Limits, verdict: Verdict, reserved: int, rates: tuple[int, ...]
-) -> RateLimitExceeded:
-    headers = _headers(limits, verdict)
-    reset = format_duration(verdict.retry_ms)
-    budget = None
-    if verdict.reason == "budget":
-        budget = limits.counters[verdict.budget_index]
-        requested = reserved * rates[verdict.budget_index]
-        message = ERROR_BUDGET.format(
-            budget=budget.describe(),
-            name=budget.name,
-            limit=budget.amount(budget.limit),
-            used=budget.amount(verdict.budget_used),
-            requested=budget.amount(requested),
-        )
-        code, limit = CODE_QUOTA, "budget"
-    elif verdict.reason == "too_large":
-        message = ERROR_TOO_LARGE.format(limit=limits.tpm, requested=reserved)
-        code, limit = CODE_RATE_LIMIT, "tokens"
-    elif verdict.reason == "tokens":
-        message = ERROR_TOKENS.format(
-            limit=limits.tpm, used=verdict.tokens, requested=reserved, reset=reset
-        )
-        code, limit = CODE_RATE_LIMIT, "tokens"
-    elif verdict.reason == "requests":
-        message = ERROR_REQUESTS.format(limit=limits.rpm, reset=reset)
-        code, limit = CODE_RATE_LIMIT, "requests"
-    else:
-        message = ERROR_PARALLEL.format(limit=limits.max_parallel)
-        code, limit = CODE_RATE_LIMIT, "parallel"
-    if verdict.reason in ("budget", "too_large"):
-        # Waiting cannot help; the official clients honour this header and don't retry.
-        headers["x-should-retry"] = "false"
-    elif verdict.retry_ms >= 0:
-        headers["retry-after-ms"] = str(verdict.retry_ms)
-        headers["retry-after"] = str(max(1, -(-verdict.retry_ms // 1000)))
-    return RateLimitExceeded(message, code=code, limit=limit, headers=headers, budget=budget)
 
 
 # A release the backend could not confirm is retried after each of these delays (releases are
@@ -305,7 +142,7 @@ class Limiter:
         rates = _rates(limits, token_cost)
         verdict, admission_id = await self._verdict(limits, reserved, least, rates, "admit")
         if verdict.status == Status.REJECTED:
-            raise _refusal(limits, verdict, least, rates)
+            raise refusal(limits, verdict, least, rates)
         return self._admission(limits, verdict, admission_id)
 
     async def enter(self, api_key: ApiKey, *, budgets_only: bool = False) -> Admission:
@@ -321,7 +158,7 @@ class Limiter:
         rates = _rates(limits, None)
         verdict, admission_id = await self._verdict(limits, 1, 1, rates, "enter")
         if verdict.status == Status.REJECTED:
-            raise _refusal(limits, verdict, 1, rates)
+            raise refusal(limits, verdict, 1, rates)
         return self._admission(limits, verdict, admission_id, entered=True)
 
     def _admission(self, limits, verdict, admission_id, *, entered=False) -> Admission:
@@ -336,11 +173,11 @@ class Limiter:
                 limits, reserved, least, rates, "reserve", admission_id=admission_id
             )
             if verdict.status == Status.REJECTED:
-                raise _refusal(limits, verdict, least, rates)
-            return verdict.granted, _headers(limits, verdict)
+                raise refusal(limits, verdict, least, rates)
+            return verdict.granted, ratelimit_headers(limits, verdict)
 
         return Admission(
-            headers=_headers(limits, verdict),
+            headers=ratelimit_headers(limits, verdict),
             granted_tokens=verdict.granted,
             id=admission_id,
             budgets=limits.budgets,
@@ -426,7 +263,7 @@ class Limiter:
         limits = Limits.of(api_key)
         if limits.rpm is None and limits.tpm is None:
             return {}
-        return _headers(limits, await self._peek(limits))
+        return ratelimit_headers(limits, await self._peek(limits))
 
     async def _check(
         self,

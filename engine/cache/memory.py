@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
 
@@ -20,10 +21,11 @@ from mlx.utils import tree_flatten
 from engine.cache import mlx_caches as caches
 from engine.cache.budget import MemoryBudget
 from engine.cache.cohorts import PAD_LIMIT
+from engine.cache.disk import PrefixDiskConfig, open_disk_tier
 from engine.cache.host import HostMemory
 from engine.cache.mlx_caches import CacheLayout, KVQuant
 from engine.cache.prefix import PrefixCache
-from engine.protocol import ModelSpec
+from engine.protocol import ModelSpec, describe
 
 DEVICE_SHARE = 0.6  # of the device's memory, for weights and caches together
 MIN_BUDGET_BYTES = 256 << 20
@@ -101,3 +103,41 @@ def cohort_padding(spec: ModelSpec, model: nn.Module, quant: KVQuant | None) -> 
         logger.warning("%s keeps every batch row at its longest row's length: %s", spec.name, exc)
         return None
     return PAD_LIMIT
+
+
+@dataclass
+class CachePlan:
+    """What a chat engine's caches are, decided once its model has loaded."""
+
+    kv_quant: KVQuant | None
+    layout: CacheLayout | None  # None: the cache cannot be probed, so no reuse
+    weights_bytes: int
+    cohort_pad: int | None
+    memory: MemoryBudget | None
+    prefix_cache: PrefixCache | None
+
+
+def plan_caches(
+    spec: ModelSpec,
+    model: nn.Module,
+    *,
+    cache_bytes: int | None,
+    prefix_disk: PrefixDiskConfig | None,
+    cohorts: bool,
+) -> CachePlan:
+    """The model's cache layout, memory budget and prefix cache (with its disk tier)."""
+    kv_quant = KVQuant(spec.kv_cache_bits, spec.kv_cache_group_size) if spec.kv_cache_bits else None
+    if kv_quant is not None:
+        caches.check_quant(model, kv_quant)  # else the load fails: why
+    try:
+        layout = caches.layout(model, kv_quant)
+    except Exception as exc:  # a model whose cache cannot be probed serves without reuse
+        logger.warning("no prefix cache for %s: %s", spec.name, describe(exc))
+        layout = None
+    cohort_pad = cohort_padding(spec, model, kv_quant) if cohorts and layout is not None else None
+    memory, prefix_cache = plan_memory(
+        spec, model, layout, budget_bytes=cache_bytes, pad_tokens=cohort_pad
+    )
+    if prefix_cache is not None:
+        prefix_cache.disk = open_disk_tier(prefix_disk, spec, layout)
+    return CachePlan(kv_quant, layout, weights_bytes(model), cohort_pad, memory, prefix_cache)

@@ -14,13 +14,13 @@ import mlx.core as mx
 from engine.cache.memory import weights_bytes
 from engine.core.draft_model import DraftModel, DraftModelError
 from engine.core.fairness import FairShare
-from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
+from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop
 from engine.core.request import Emit
 from engine.core.runner import BatchRunner
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.speculative import Speculator
 from engine.models.loader import load_model
-from engine.protocol import GenerationRequest, ModelInfo, RequestStatus
+from engine.protocol import GenerationRequest, ModelInfo, RequestStatus, describe
 
 logger = logging.getLogger(__name__)
 

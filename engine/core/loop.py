@@ -28,10 +28,9 @@ import engine  # noqa: F401  (OpenBLAS before mlx)
 # isort: split
 import mlx.core as mx
 
-from engine.cache import mlx_caches as caches
 from engine.cache.budget import MemoryBudget
-from engine.cache.disk import PrefixDiskConfig, open_disk_tier
-from engine.cache.memory import cohort_padding, plan_memory, weights_bytes
+from engine.cache.disk import PrefixDiskConfig
+from engine.cache.memory import plan_caches
 from engine.cache.mlx_caches import CacheLayout
 from engine.cache.prefix import PrefixCache
 from engine.core.meter import Meter
@@ -50,6 +49,7 @@ from engine.protocol import (
     ModelSpec,
     RequestStatus,
     completion_budget,
+    describe,
     validate_generation,
 )
 from engine.text.detokenizer import StreamDetokenizer
@@ -371,34 +371,16 @@ class EngineLoop:
 
     def setup_caches(self) -> None:
         """On the engine thread: the model's cache layout, memory budget and prefix cache."""
-        spec = self.spec
-        self.kv_quant = (
-            caches.KVQuant(spec.kv_cache_bits, spec.kv_cache_group_size)
-            if spec.kv_cache_bits
-            else None
-        )
-        if self.kv_quant is not None:
-            caches.check_quant(self.loaded.model, self.kv_quant)  # else the load fails: why
-        try:
-            self.layout = caches.layout(self.loaded.model, self.kv_quant)
-        except Exception as exc:  # a model whose cache cannot be probed serves without reuse
-            logger.warning("no prefix cache for %s: %s", self.spec.name, describe(exc))
-            self.layout = None
-        self.weights_bytes = weights_bytes(self.loaded.model)
-        self.cohort_pad = (
-            cohort_padding(self.spec, self.loaded.model, self.kv_quant)
-            if self.COHORTS and self.layout is not None
-            else None
-        )
-        self.memory, self.prefix_cache = plan_memory(
+        plan = plan_caches(
             self.spec,
             self.loaded.model,
-            self.layout,
-            budget_bytes=self.cache_bytes,
-            pad_tokens=self.cohort_pad,
+            cache_bytes=self.cache_bytes,
+            prefix_disk=self.prefix_disk,
+            cohorts=self.COHORTS,
         )
-        if self.prefix_cache is not None:
-            self.prefix_cache.disk = open_disk_tier(self.prefix_disk, self.spec, self.layout)
+        self.kv_quant, self.layout, self.cohort_pad = plan.kv_quant, plan.layout, plan.cohort_pad
+        self.weights_bytes = plan.weights_bytes
+        self.memory, self.prefix_cache = plan.memory, plan.prefix_cache
 
     def serving_info(self, info: ModelInfo) -> ModelInfo:
         """The model's info as this engine serves it (what requests are validated against)."""
@@ -462,7 +444,3 @@ def _wait_until_gone(thread: threading.Thread, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     while task.exists() and time.monotonic() < deadline:
         time.sleep(0.001)
-
-
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

@@ -13,10 +13,10 @@ import logging
 from collections import deque
 
 from engine.core.fairness import FairShare
-from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop, describe
+from engine.core.loop import CLEAR, DRAIN, STOP, EngineLoop
 from engine.core.request import Request
 from engine.core.sequence_runner import SequenceRunner
-from engine.protocol import RequestStatus
+from engine.protocol import RequestStatus, describe
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from engine.protocol.errors import (
     ModelLoadError,
     ModelNotLoadedError,
     ModelUnavailableError,
+    describe,
 )
 from engine.protocol.generation import (
     MAX_CHOICES,
@@ -79,5 +80,6 @@ __all__ = [
     "TokenLogprob",
     "TopLogprob",
     "completion_budget",
+    "describe",
     "validate_generation",
 ]

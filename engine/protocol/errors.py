@@ -1,6 +1,11 @@
 """The errors the engine reports to its callers (each with the `code` the API answers with)."""
 
 
+def describe(exc: BaseException) -> str:
+    """An exception as one line for a request's error or a log: its type and message."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 class EngineError(Exception):
     """Base class for errors the engine reports to its callers."""
 

@@ -40,7 +40,6 @@ from typing import Any
 from django.conf import settings
 
 from engine import (
-    GenerationRequest,
     InvalidRequestError,
     ModelInfo,
     ModelLoadError,
@@ -50,8 +49,6 @@ from engine import (
     PromptInput,
     RenderedPrompt,
     SamplingParams,
-    ServiceClass,
-    completion_budget,
     validate_generation,
 )
 from inference.errors import APIError
@@ -65,6 +62,7 @@ from inference.services.images import prompts_with_images
 from inference.services.output import ChoiceDelta, GenerationFailed, choice_stages
 from inference.services.registry import model_spec
 from inference.services.service_class import AUTO_TIERS, service_class
+from inference.services.sizing import Sizing
 from inference.services.structured import tool_call_grammar
 
 logger = logging.getLogger(__name__)
@@ -248,74 +246,6 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
     execution = Execution(settlement, requests, param_name=call.name)
     await execution.start()
     return Generation(execution, entry, prompt_texts, parsing)
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """The engine requests of a call, their max_tokens decided by `completion_budget`: from the
-    caller's max_tokens, else the rest of each prompt's context up to `size_limit`; and, for a
-    flexible call (the caller left the size to the server), within what admission granted."""
-
-    request_id: str
-    model: str
-    prompts: list[RenderedPrompt]
-    sampling: SamplingParams
-    size_limit: int | None
-    info: ModelInfo
-    cache_scope: str
-    service: ServiceClass
-    images: list[tuple[PromptImage, ...]] = dataclasses.field(default_factory=list)
-
-    @property
-    def flexible(self) -> bool:
-        return self.sampling.max_tokens is None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(prompt.token_ids) for prompt in self.prompts)
-
-    @property
-    def least_tokens(self) -> int:
-        """The smallest grant a flexible call can run with: its prompts and a token a choice."""
-        return self.num_prompt_tokens + len(self.prompts) * self.sampling.n
-
-    def reserved_tokens(self, requests: list[GenerationRequest]) -> int:
-        return self.num_prompt_tokens + sum(r.sampling.max_tokens * r.sampling.n for r in requests)
-
-    def requests(self, *, granted: int | None = None) -> list[GenerationRequest]:
-        """With `granted` (admission's grant for the whole call: its prompts and every choice's
-        completion), each choice gets an equal share of what the prompts leave, at least one
-        token: admission granted `least_tokens`."""
-        grant = None
-        if granted is not None:
-            grant = (granted - self.num_prompt_tokens) // (len(self.prompts) * self.sampling.n)
-        requests = []
-        for index, rendered in enumerate(self.prompts):
-            max_tokens = completion_budget(
-                num_prompt_tokens=len(rendered.token_ids),
-                context_length=self.info.context_length,
-                max_tokens=self.sampling.max_tokens,
-                size_limit=self.size_limit,
-                grant=grant,
-            )
-            min_tokens = self.sampling.min_tokens
-            if grant is not None:
-                min_tokens = min(min_tokens, max_tokens)
-            requests.append(
-                GenerationRequest(
-                    self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}",
-                    self.model,
-                    rendered.token_ids,
-                    dataclasses.replace(
-                        self.sampling, max_tokens=max_tokens, min_tokens=min_tokens
-                    ),
-                    rendered.checkpoints,
-                    self.cache_scope,
-                    service=self.service,
-                    images=self.images[index] if self.images else (),
-                )
-            )
-        return requests
 
 
 def _tool_grammar(

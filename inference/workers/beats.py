@@ -54,6 +54,25 @@ class ModelBeat:
     # `load` and adds what it has in flight now, so a burst it sends between beats is counted.
     by_reply: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def of_status(cls, status: ModelStatus) -> ModelBeat:
+        """What the worker's `status` says of the model, as it travels (specs as dicts)."""
+        return cls(
+            name=status.name,
+            state=status.state,
+            spec=status.serving.to_dict() if status.serving else None,
+            loading=status.loading.to_dict() if status.loading else None,
+            error=status.error,
+            failed_at=status.failed_at,
+            failed_spec=status.failed_spec.to_dict() if status.failed_spec else None,
+            stats=status.stats.to_dict() if status.stats else None,
+            restarts=status.restarts,
+            failure_code=status.failure_code,
+            memory_bytes=status.memory_bytes,
+            last_used=status.last_used,
+            pinned=status.pinned,
+        )
+
     @property
     def load(self) -> int:
         stats = self.stats or {}

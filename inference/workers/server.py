@@ -393,21 +393,7 @@ class EngineServer:
         models: dict[str, ModelBeat] = {}
         for name in sorted(set(self.placement.specs) | set(self.worker.names())):
             status = self.worker.status(name)
-            beat = ModelBeat(
-                name=name,
-                state=status.state,
-                spec=status.serving.to_dict() if status.serving else None,
-                loading=status.loading.to_dict() if status.loading else None,
-                error=status.error,
-                failed_at=status.failed_at,
-                failed_spec=status.failed_spec.to_dict() if status.failed_spec else None,
-                stats=status.stats.to_dict() if status.stats else None,
-                restarts=status.restarts,
-                failure_code=status.failure_code,
-                memory_bytes=status.memory_bytes,
-                last_used=status.last_used,
-                pinned=status.pinned,
-            )
+            beat = ModelBeat.of_status(status)
             if status.state == "serving":
                 engine = self.worker.engine(name)
                 digest = hashlib.sha1(
