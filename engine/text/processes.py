@@ -10,10 +10,13 @@ counts the job (a slot, a queue) counts it until then. `num_running` says how ma
 working now.
 
 Processes are spawned (a forked copy of a process that runs MLX and tokenizer threads is not
-safe), on first need: a process that never renders starts none, and a killed one is replaced by
-the next job that finds no idle process. A tokenizer crosses to a process once (pickled: ~12 MB
-and ~0.4 s for Qwen3's); each process keeps the last TOKENIZERS_PER_PROCESS it was sent. The
-deadline covers the job only, not a process's start or a tokenizer's arrival.
+safe), on first need: a process that never renders starts none. Once a job has used a
+tokenizer, the pool warms in the background: every process of it starts (a killed one is
+replaced) and is sent that tokenizer, so a job that arrives while other teams' jobs hold the
+warm processes waits for neither a start (~1 s) nor a tokenizer (pickled: ~12 MB and ~0.4 s
+for Qwen3's). Each process keeps the last TOKENIZERS_PER_PROCESS it was sent. The deadline
+covers the job only, not a process's start or a tokenizer's arrival. The processes run in
+Linux's idle scheduling class (`_lower`; elsewhere below the engine by nice).
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ def _serve(conn) -> None:
     """A worker process: tokenizers in, jobs run, results (or the error) out."""
     tokenizers: collections.OrderedDict[int, Any] = collections.OrderedDict()
     with contextlib.suppress(OSError):
-        # Below the engine and the web threads: a flood of long renders takes the CPU the
-        # decode steps leave, not theirs.
+        # Below the engine and the web threads (SCHED_IDLE where there is one: _lower): a flood
+        # of long renders takes the CPU the decode steps leave, not theirs.
         os.nice(NICENESS)
     conn.send(("ready",))
     while True:
@@ -83,6 +86,16 @@ def _serve(conn) -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def _lower(pid: int) -> None:
+    """Linux's idle scheduling class for a tokenizer process, from its start (its imports
+    included). Measured here on 2 cores: two busy processes at nice 19 made a chat's first token
+    3.3x slower (MLX's CPU kernels wait for their every thread, so a kernel thread delayed by
+    a nice process stalls the step), two at SCHED_IDLE 1.3x: a task of that class never
+    delays one that wakes."""
+    with contextlib.suppress(OSError, AttributeError):  # no SCHED_IDLE (macOS): nice alone
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+
+
 class _Worker:
     def __init__(self, context) -> None:
         self.conn, child = context.Pipe()
@@ -90,6 +103,7 @@ class _Worker:
             target=_serve, args=(child,), daemon=True, name="orchard-tokenizer"
         )
         self.process.start()
+        _lower(self.process.pid)
         child.close()
         self.tokenizers: collections.OrderedDict[int, None] = collections.OrderedDict()
         if self.reply(SETUP_TIMEOUT_S) is None:
@@ -141,6 +155,9 @@ class TokenizerProcesses:
         self._pickled: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._next_key = itertools.count(1)
         self._lock = threading.Lock()
+        self._size = processes
+        self._num_workers = 0  # started and not killed: idle, working, or warming up
+        self._warming = False
         self._running = 0
         self._closed = False
 
@@ -171,20 +188,22 @@ class TokenizerProcesses:
 
     def _run(self, tokenizer, fn, args, timeout_s, timeout_error):
         key = self._key(tokenizer)
+        pickled = functools.partial(self._pickle, key, tokenizer)
         worker = self._take(key)
         try:
-            worker.ensure_tokenizer(key, functools.partial(self._pickle, key, tokenizer))
+            worker.ensure_tokenizer(key, pickled)
             with self._counted():
                 worker.conn.send(("run", key, fn, args))
                 answer = worker.reply(timeout_s)
                 if answer is None:
-                    worker.kill()  # inside the count: the job counts until its process is gone
+                    self._discard(worker)  # inside the count: it counts until its process is gone
                     raise timeout_error
         except BaseException:
             if worker.process.is_alive():
-                worker.kill()
+                self._discard(worker)
             raise
         self._put(worker)
+        self._warm(key, pickled)
         if answer[0] == "ok":
             return answer[1]
         if answer[0] == "invalid":
@@ -235,19 +254,78 @@ class TokenizerProcesses:
                     return self._idle.pop(index)
             if self._idle:
                 return self._idle.pop()
-        return _Worker(self._context)
+            self._num_workers += 1
+        try:
+            return _Worker(self._context)
+        except BaseException:
+            with self._lock:
+                self._num_workers -= 1
+            raise
 
     def _put(self, worker: _Worker) -> None:
         with self._lock:
-            if not self._closed:
+            # One started beside the warm-up's may make one too many: it goes.
+            if not self._closed and self._num_workers <= self._size:
                 self._idle.append(worker)
                 return
+        self._discard(worker)
+
+    def _discard(self, worker: _Worker) -> None:
         worker.kill()
+        with self._lock:
+            self._num_workers -= 1
+
+    def _warm(self, key: int, pickled: Callable[[], bytes]) -> None:
+        """Once a tokenizer has been used, every process of the pool is started and holds it,
+        in the background (at the processes' low priority): a team whose job arrives while
+        other teams' jobs hold the warm processes then waits for neither a process's start
+        (about a second) nor its tokenizer's arrival (about half a second for Qwen3's)."""
+        with self._lock:
+            if self._warming or self._closed:
+                return
+            cold = any(key not in worker.tokenizers for worker in self._idle)
+            if self._num_workers >= self._size and not cold:
+                return
+            self._warming = True
+        threading.Thread(
+            target=self._warm_up, args=(key, pickled), name="orchard-tok-warm", daemon=True
+        ).start()
+
+    def _warm_up(self, key: int, pickled: Callable[[], bytes]) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._closed:
+                        return
+                    cold = next((w for w in self._idle if key not in w.tokenizers), None)
+                    if cold is not None:
+                        self._idle.remove(cold)
+                    elif self._num_workers < self._size:
+                        self._num_workers += 1
+                    else:
+                        return
+                worker = cold
+                try:
+                    if worker is None:
+                        worker = _Worker(self._context)
+                    worker.ensure_tokenizer(key, pickled)
+                except Exception:
+                    logger.warning("could not warm a tokenizer process", exc_info=True)
+                    if worker is not None:
+                        self._discard(worker)
+                    else:
+                        with self._lock:
+                            self._num_workers -= 1
+                    return
+                self._put(worker)
+        finally:
+            with self._lock:
+                self._warming = False
 
     def close(self) -> None:
         """Stop the idle processes; a job still running stops its own when it ends."""
         with self._lock:
             self._closed, idle, self._idle = True, self._idle, []
         for worker in idle:
-            worker.kill()
+            self._discard(worker)
         self._threads.shutdown(wait=False, cancel_futures=True)
