@@ -25,6 +25,7 @@ from engine.core.embedding import EmbeddingEngine, EmbeddingJob
 from engine.core.loop import EngineLoop
 from engine.core.request import Emit
 from engine.core.simple import SimpleEngine
+from engine.core.turns import ComputeTurns
 from engine.futures import mirror, resolved, start_after
 from engine.models.embeddings import EmbeddingModel
 from engine.models.loader import LoadedModel, load_model
@@ -88,6 +89,7 @@ class EngineWorker:
         self.memory = memory or HostMemory()
         self.residency = Residency(self.memory, idle_unload_s)
         self.prefix_disk = prefix_disk  # the chat models' prefix caches' disk tier (None: off)
+        self.compute_turns = ComputeTurns()  # its engines compute one step at a time
         self._loader = loader
         self._embedding_loader = embedding_loader
         self._engine_classes = engines or ENGINES
@@ -206,13 +208,16 @@ class EngineWorker:
     def _new_engine(self, spec: ModelSpec) -> Engine:
         """An engine for `spec`, not started (nothing loads until `start`)."""
         if spec.kind == "embedding":
-            return EmbeddingEngine(spec, lambda: self._embedding_loader(spec))
+            embedder = EmbeddingEngine(spec, lambda: self._embedding_loader(spec))
+            embedder.compute_turns = self.compute_turns
+            return embedder
         if spec.engine not in self._engine_classes:
             raise ValueError(
                 f"unknown engine {spec.engine!r}; choose from {sorted(self._engine_classes)}"
             )
         engine = self._engine_classes[spec.engine](spec, lambda: self._loader(spec))
         engine.prefix_disk = self.prefix_disk
+        engine.compute_turns = self.compute_turns
         return engine
 
     def _swap(self, engine: Engine, swapped: concurrent.futures.Future[Info]) -> None:

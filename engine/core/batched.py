@@ -125,7 +125,8 @@ class BatchedEngine(EngineLoop):
                     self._abort(payload)
             if self.scheduler.has_work():
                 try:
-                    self.step()
+                    with self.compute_turns.turn(self):
+                        self.step()
                 except Exception as exc:
                     logger.exception("engine step failed for %s", self.spec.name)
                     self._fail_running(describe(exc))
@@ -163,6 +164,7 @@ class BatchedEngine(EngineLoop):
             self.overlaps
             and not plan.drafts
             and self._inbox.empty()
+            and not self.compute_turns.contended()  # another engine's step comes between
             and self.scheduler.decodes_only_after(plan)
         )
         sampled = self.runner.execute(plan, run_ahead=run_ahead)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from engine.core.turns import ComputeTurns
 from engine.models.embeddings import EmbeddingModel
 from engine.protocol import (
     EmbeddingInfo,
@@ -37,6 +38,9 @@ MAX_BATCH_SEQUENCES = 64
 # token as 8192 (4 s a forward), so a chat engine sharing the machine waits a quarter of a
 # second, not four, behind another team's flood of embeddings.
 MAX_BATCH_TOKENS = 512
+# While another engine of the worker computes: forwards take turns with its steps
+# (engine/core/turns.py), so each of these is what one of its steps may wait for.
+SHARED_BATCH_TOKENS = 128
 
 
 class EmbeddingJob:
@@ -104,6 +108,7 @@ class EmbeddingEngine:
         self.num_forwards = 0
         self._num_tokens = 0
         self.cache_bytes: int | None = None  # its workspace in the worker's memory budget
+        self.compute_turns = ComputeTurns()  # the worker's, shared by its engines (turns.py)
         self._thread = threading.Thread(
             target=self._main, name=f"orchard-embed-{spec.name}", daemon=True
         )
@@ -289,7 +294,8 @@ class EmbeddingEngine:
         """The rows of the next forward: the shortest waiting row of `anchor` (the job whose
         turn it is), and around it the waiting rows of any job nearest it in length (longer
         first, then shorter, which add no padding), while the batch holds at most
-        MAX_BATCH_SEQUENCES rows and MAX_BATCH_TOKENS padded tokens."""
+        MAX_BATCH_SEQUENCES rows and MAX_BATCH_TOKENS padded tokens (SHARED_BATCH_TOKENS while
+        another engine computes)."""
         waiting = sorted(
             (len(job.rows[row]), number, row)
             for number, job in enumerate(self._jobs)
@@ -298,10 +304,12 @@ class EmbeddingEngine:
         number = self._jobs.index(anchor)
         lo = next(i for i, (_, n, _) in enumerate(waiting) if n == number)
         hi = lo + 1
+        shared = self.compute_turns.others_active(self)
+        budget = SHARED_BATCH_TOKENS if shared else MAX_BATCH_TOKENS
 
         def fits(lo: int, hi: int) -> bool:
             longest = waiting[hi - 1][0]
-            return hi - lo <= MAX_BATCH_SEQUENCES and longest * (hi - lo) <= MAX_BATCH_TOKENS
+            return hi - lo <= MAX_BATCH_SEQUENCES and longest * (hi - lo) <= budget
 
         while hi < len(waiting) and fits(lo, hi + 1):
             hi += 1
@@ -312,7 +320,8 @@ class EmbeddingEngine:
     def _step(self, batch: list[tuple[EmbeddingJob, int]]) -> None:
         jobs = list(dict.fromkeys(job for job, _ in batch))
         try:
-            vectors = self.model.embed([job.rows[row] for job, row in batch])
+            with self.compute_turns.turn(self):
+                vectors = self.model.embed([job.rows[row] for job, row in batch])
         except Exception as exc:
             logger.exception("embedding forward failed")
             self._end_jobs(jobs, exc)

@@ -38,6 +38,7 @@ from engine.core.outputs import emit_end, end_queued, token_output
 from engine.core.request import Emit, Request, Sequence
 from engine.core.sampled import Sampled
 from engine.core.sampling import SamplingState
+from engine.core.turns import ComputeTurns
 from engine.models.loader import LoadedModel
 from engine.models.vision import check_images
 from engine.protocol import (
@@ -99,6 +100,7 @@ class EngineLoop:
         self.memory: MemoryBudget | None = None
         self.prefix_cache: PrefixCache | None = None
         self.prefix_disk: PrefixDiskConfig | None = None  # the prefix cache's disk tier, if any
+        self.compute_turns = ComputeTurns()  # the worker's, shared by its engines (turns.py)
         # The batch's length cohorts' padding limit (engine/cache/cohorts.py); None: one batch.
         self.cohort_pad: int | None = None
         self._thread = threading.Thread(

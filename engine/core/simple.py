@@ -64,7 +64,8 @@ class SimpleEngine(EngineLoop):
         """Run a request to its end, its choices one after another; aborts checked per token."""
         for seq in request.sequences:
             # Each choice after the first finds the prompt in the prefix cache.
-            cache, first = self.runner.prefill(seq, self.spec.max_num_batched_tokens)
+            with self.compute_turns.turn(self):
+                cache, first = self.runner.prefill(seq, self.spec.max_num_batched_tokens)
             seq.num_computed_tokens = request.num_prompt_tokens - (0 if first else 1)
             uncached = request.num_prompt_tokens - request.num_cached_tokens
             self._meter.num_prompt_tokens += uncached
@@ -77,7 +78,8 @@ class SimpleEngine(EngineLoop):
                 if self._poll(current=request, block=False):
                     self.finish(request, RequestStatus.FINISHED_ABORTED)
                     return
-                (sampled,) = self.runner.step(cache, [seq])
+                with self.compute_turns.turn(self):
+                    (sampled,) = self.runner.step(cache, [seq])
                 seq.num_computed_tokens += 1
                 if self.fairness is not None:
                     self.fairness.charge_decode(request, 1)
