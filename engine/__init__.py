@@ -84,6 +84,7 @@ _LAZY = {
     "folder_embedding_context_length": "engine.models.config",
     "folder_facts": "engine.models.config",
     "PromptRenderer": "engine.text.rendering",
+    "TokenizerProcesses": "engine.text.processes",
     "expand_rendered": "engine.models.vision",
     "check_template_kwargs": "engine.text.templates",
     "harmony_encoding": "engine.text.harmony",

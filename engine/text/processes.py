@@ -15,8 +15,14 @@ tokenizer, the pool warms in the background: every process of it starts (a kille
 replaced) and is sent that tokenizer, so a job that arrives while other teams' jobs hold the
 warm processes waits for neither a start (~1 s) nor a tokenizer (pickled: ~12 MB and ~0.4 s
 for Qwen3's). Each process keeps the last TOKENIZERS_PER_PROCESS it was sent. The deadline
-covers the job only, not a process's start or a tokenizer's arrival. The processes run in
-Linux's idle scheduling class (`_lower`; elsewhere below the engine by nice).
+covers the job only, not a process's start or a tokenizer's arrival.
+
+All processes run below the engine by nice. A job its caller marks `low` (one whose input is
+large, so its work is long) runs in processes of their own in Linux's idle scheduling class
+(`_lower`): a flood of one team's long renders then takes only the CPU the engine leaves, and
+never waits for, or holds, a process that the short jobs of everyone else use. Short jobs stay
+in the other class: an idle-class task gets almost no CPU while the engine keeps the cores
+busy, and a short render must not wait for that. Warm-up is for the short jobs' processes.
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ def _serve(conn) -> None:
 
 
 def _lower(pid: int) -> None:
-    """Linux's idle scheduling class for a tokenizer process, from its start (its imports
+    """Linux's idle scheduling class for a process of long jobs, from its start (its imports
     included). Measured here on 2 cores: two busy processes at nice 19 made a chat's first token
     3.3x slower (MLX's CPU kernels wait for their every thread, so a kernel thread delayed by
     a nice process stalls the step), two at SCHED_IDLE 1.3x: a task of that class never
@@ -97,13 +103,15 @@ def _lower(pid: int) -> None:
 
 
 class _Worker:
-    def __init__(self, context) -> None:
+    def __init__(self, context, low: bool = False) -> None:
+        self.low = low
         self.conn, child = context.Pipe()
         self.process = context.Process(
             target=_serve, args=(child,), daemon=True, name="orchard-tokenizer"
         )
         self.process.start()
-        _lower(self.process.pid)
+        if low:
+            _lower(self.process.pid)
         child.close()
         self.tokenizers: collections.OrderedDict[int, None] = collections.OrderedDict()
         if self.reply(SETUP_TIMEOUT_S) is None:
@@ -145,7 +153,8 @@ class _Worker:
 
 class TokenizerProcesses:
     """At most `processes` jobs at once, each in a process of its own; more wait their turn
-    (first come, first served: callers that need fairness queue before this)."""
+    (first come, first served: callers that need fairness queue before this). A job that needs
+    no tokenizer passes None for it."""
 
     def __init__(self, processes: int = PROCESSES) -> None:
         self._context = multiprocessing.get_context("spawn")
@@ -156,7 +165,7 @@ class TokenizerProcesses:
         self._next_key = itertools.count(1)
         self._lock = threading.Lock()
         self._size = processes
-        self._num_workers = 0  # started and not killed: idle, working, or warming up
+        self._num_workers = {False: 0, True: 0}  # by class (low): idle, working or warming
         self._warming = False
         self._running = 0
         self._closed = False
@@ -169,7 +178,7 @@ class TokenizerProcesses:
 
     @property
     def pids(self) -> list[int]:
-        """The idle processes' ids."""
+        """The idle processes' ids (of both classes)."""
         with self._lock:
             return [worker.pid for worker in self._idle if worker.pid is not None]
 
@@ -180,16 +189,18 @@ class TokenizerProcesses:
         *args: Any,
         timeout_s: float | None,
         timeout_error: InvalidRequestError,
+        low: bool = False,
     ) -> T:
-        """`fn(tokenizer, *args)` in a process (`fn` a module-level function); raises
-        `timeout_error` once a job past `timeout_s` has been stopped."""
-        job = functools.partial(self._run, tokenizer, fn, args, timeout_s, timeout_error)
+        """`fn(tokenizer, *args)` in a process (`fn` a module-level function; in the idle
+        class with `low`); raises `timeout_error` once a job past `timeout_s` has been
+        stopped."""
+        job = functools.partial(self._run, tokenizer, fn, args, timeout_s, timeout_error, low)
         return await asyncio.get_running_loop().run_in_executor(self._threads, job)
 
-    def _run(self, tokenizer, fn, args, timeout_s, timeout_error):
+    def _run(self, tokenizer, fn, args, timeout_s, timeout_error, low):
         key = self._key(tokenizer)
         pickled = functools.partial(self._pickle, key, tokenizer)
-        worker = self._take(key)
+        worker = self._take(key, low)
         try:
             worker.ensure_tokenizer(key, pickled)
             with self._counted():
@@ -203,7 +214,8 @@ class TokenizerProcesses:
                 self._discard(worker)
             raise
         self._put(worker)
-        self._warm(key, pickled)
+        if not low:
+            self._warm(key, pickled)
         if answer[0] == "ok":
             return answer[1]
         if answer[0] == "invalid":
@@ -244,28 +256,30 @@ class TokenizerProcesses:
                 self._pickled.popitem(last=False)
         return blob
 
-    def _take(self, key: int) -> _Worker:
-        """An idle process, one that has the tokenizer `key` if there is one; else a new one."""
+    def _take(self, key: int, low: bool = False) -> _Worker:
+        """An idle process of the class, one that has the tokenizer `key` if there is one;
+        else a new one."""
         with self._lock:
             if self._closed:
                 raise WorkerFailed("The tokenizer processes are closed.")
-            for index in range(len(self._idle) - 1, -1, -1):
+            idle = [index for index, worker in enumerate(self._idle) if worker.low == low]
+            for index in reversed(idle):
                 if key in self._idle[index].tokenizers:
                     return self._idle.pop(index)
-            if self._idle:
-                return self._idle.pop()
-            self._num_workers += 1
+            if idle:
+                return self._idle.pop(idle[-1])
+            self._num_workers[low] += 1
         try:
-            return _Worker(self._context)
+            return _Worker(self._context, low)
         except BaseException:
             with self._lock:
-                self._num_workers -= 1
+                self._num_workers[low] -= 1
             raise
 
     def _put(self, worker: _Worker) -> None:
         with self._lock:
             # One started beside the warm-up's may make one too many: it goes.
-            if not self._closed and self._num_workers <= self._size:
+            if not self._closed and self._num_workers[worker.low] <= self._size:
                 self._idle.append(worker)
                 return
         self._discard(worker)
@@ -273,7 +287,7 @@ class TokenizerProcesses:
     def _discard(self, worker: _Worker) -> None:
         worker.kill()
         with self._lock:
-            self._num_workers -= 1
+            self._num_workers[worker.low] -= 1
 
     def _warm(self, key: int, pickled: Callable[[], bytes]) -> None:
         """Once a tokenizer has been used, every process of the pool is started and holds it,
@@ -283,8 +297,8 @@ class TokenizerProcesses:
         with self._lock:
             if self._warming or self._closed:
                 return
-            cold = any(key not in worker.tokenizers for worker in self._idle)
-            if self._num_workers >= self._size and not cold:
+            cold = any(key not in w.tokenizers for w in self._idle if not w.low)
+            if self._num_workers[False] >= self._size and not cold:
                 return
             self._warming = True
         threading.Thread(
@@ -297,11 +311,13 @@ class TokenizerProcesses:
                 with self._lock:
                     if self._closed:
                         return
-                    cold = next((w for w in self._idle if key not in w.tokenizers), None)
+                    cold = next(
+                        (w for w in self._idle if not w.low and key not in w.tokenizers), None
+                    )
                     if cold is not None:
                         self._idle.remove(cold)
-                    elif self._num_workers < self._size:
-                        self._num_workers += 1
+                    elif self._num_workers[False] < self._size:
+                        self._num_workers[False] += 1
                     else:
                         return
                 worker = cold
@@ -315,7 +331,7 @@ class TokenizerProcesses:
                         self._discard(worker)
                     else:
                         with self._lock:
-                            self._num_workers -= 1
+                            self._num_workers[False] -= 1
                     return
                 self._put(worker)
         finally:

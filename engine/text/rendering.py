@@ -17,6 +17,10 @@ from engine.text.templates import ERROR_TIMEOUT, apply_chat_template
 
 logger = logging.getLogger(__name__)
 
+# A job with this much input text runs in the idle-class processes (processes.py): tokenizing is
+# about a microsecond a character here, so this is some 50 ms of work and more.
+LONG_INPUT_CHARS = 50_000
+
 
 class PromptRenderer:
     """Renders prompts and encodes texts in tokenizer processes of its own, each job under a
@@ -43,6 +47,7 @@ class PromptRenderer:
             checkpoints,
             timeout_s=timeout_s,
             timeout_error=_timeout(timeout_s, param),
+            low=_input_chars(prompt) >= LONG_INPUT_CHARS,
         )
 
     async def encode(
@@ -57,10 +62,29 @@ class PromptRenderer:
             list(texts),
             timeout_s=timeout_s,
             timeout_error=_timeout(timeout_s, "input"),
+            low=sum(len(text) for text in texts) >= LONG_INPUT_CHARS,
         )
 
     def close(self) -> None:
         self.processes.close()
+
+
+def _input_chars(prompt: PromptInput) -> int:
+    """About how much text a render reads: its messages' text, or its prompt's."""
+    if prompt.text is not None:
+        return len(prompt.text)
+    total = 0
+    for message in prompt.messages or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list | tuple):
+            total += sum(
+                len(part["text"])
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+    return total
 
 
 def _timeout(seconds: float | None, param: str) -> InvalidRequestError:

@@ -2,8 +2,8 @@
 here, errors that are the caller's come back as theirs, and a job past its deadline is stopped
 for real: its process is gone (its CPU free) before the call raises, Jinja loops and the
 tokenizers library's one long Rust call alike. Once a tokenizer is used, the pool warms: every
-process starts and holds it, at the idle scheduling class, so a job that arrives while others
-run starts no process."""
+process starts and holds it, so a job that arrives while others run starts no process; a job
+with a long input runs in processes of Linux's idle scheduling class, apart."""
 
 import asyncio
 import os
@@ -13,7 +13,7 @@ import pytest
 
 from engine.models.loader import load_tokenizer
 from engine.protocol import InvalidRequestError, PromptInput
-from engine.text.rendering import PromptRenderer, render
+from engine.text.rendering import LONG_INPUT_CHARS, PromptRenderer, render
 from tests.fixtures.tiny_models import tokenizer_dir
 
 MESSAGES = ({"role": "user", "content": "Hello there"},)
@@ -31,6 +31,10 @@ def renderer():
     renderer.close()
 
 
+def idle_class(pid: int) -> bool:
+    return hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(pid) == os.SCHED_IDLE
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -43,7 +47,7 @@ def warmed(renderer, size: int = 2) -> list[int]:
     """The pool's processes once its warm-up has started all `size` of them."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        pids = renderer.processes.pids
+        pids = [pid for pid in renderer.processes.pids if not idle_class(pid)]
         if len(pids) == size:
             return sorted(pids)
         time.sleep(0.05)
@@ -71,33 +75,36 @@ async def test_renders_in_a_process_match_rendering_here(renderer, tokenizer):
     assert sorted(renderer.processes.pids) == pids and renderer.processes.num_running == 0
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
-async def test_the_pool_warms_at_the_idle_class_and_a_concurrent_job_starts_no_process(
-    renderer, tokenizer
-):
+def slow_template_tokenizer():
+    """A tokenizer whose template loops over the messages three levels deep: the admin's
+    template, the caller's conversation, seconds of work for a few hundred short messages."""
+    slow = load_tokenizer(tokenizer_dir("qwen3"))[0]
+    loop = "{% for VAR in messages %}"
+    nested = loop.replace("VAR", "a") + loop.replace("VAR", "b") + loop.replace("VAR", "c")
+    slow.chat_template = nested + "x" + "{% endfor %}" * 3
+    return slow
+
+
+async def test_a_job_beside_a_busy_warm_process_starts_no_process(renderer, tokenizer):
     backend = tokenizer._tokenizer.backend_tokenizer
-    await renderer.encode(backend, ["warm"])
+    slow = slow_template_tokenizer()
+    await renderer.render(slow, PromptInput(text="warm"))
     pids = warmed(renderer)
-    # Below every thread of the engine: a task of this class never delays one that wakes.
-    assert all(os.sched_getscheduler(pid) == os.SCHED_IDLE for pid in pids)
-    # One process busy with a long encode; the job beside it finds the other one warm.
-    text = "The quick brown fox jumps over the lazy dog. " * 40_000  # about 2 s to encode
-    long = asyncio.ensure_future(renderer.encode(backend, [text], timeout_s=60))
+    messages = tuple({"role": "user", "content": str(i)} for i in range(160))  # 4M loops
+    busy = asyncio.ensure_future(
+        renderer.render(slow, PromptInput(messages=messages), timeout_s=120)
+    )
     while renderer.processes.num_running == 0:  # noqa: ASYNC110 (a count in another thread)
         await asyncio.sleep(0.01)
     assert await renderer.encode(backend, ["Stocks fell."]) == [backend.encode("Stocks fell.").ids]
-    assert renderer.processes.num_running == 1  # the long one still works beside it
-    assert len((await long)[0]) > 100_000
+    assert renderer.processes.num_running == 1  # the slow one still works beside it
+    await busy
     assert sorted(renderer.processes.pids) == pids
 
 
 async def test_a_template_past_its_deadline_is_stopped_with_its_process(renderer):
-    # The template is the admin's, the conversation the caller's: three nested loops over 400
-    # messages are 64 million iterations, far past any reasonable render.
-    slow_tokenizer = load_tokenizer(tokenizer_dir("qwen3"))[0]
-    loop = "{% for VAR in messages %}"
-    slow = loop.replace("VAR", "a") + loop.replace("VAR", "b") + loop.replace("VAR", "c")
-    slow_tokenizer.chat_template = slow + "x" + "{% endfor %}" * 3
+    # Three nested loops over 400 messages are 64 million iterations, far past any render.
+    slow_tokenizer = slow_template_tokenizer()
     messages = tuple({"role": "user", "content": str(i)} for i in range(400))
     await renderer.render(slow_tokenizer, PromptInput(text="warm"))  # processes holding it
     pids = warmed(renderer)
@@ -111,20 +118,36 @@ async def test_a_template_past_its_deadline_is_stopped_with_its_process(renderer
     assert renderer.processes.num_running == 0
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
+async def test_long_inputs_run_in_idle_class_processes_apart_from_the_short_ones(
+    renderer, tokenizer
+):
+    backend = tokenizer._tokenizer.backend_tokenizer
+    await renderer.encode(backend, ["warm"])
+    warm = warmed(renderer)
+    # Short jobs keep the CPU an idle-class task would not get while the engine is busy.
+    assert all(os.sched_getscheduler(pid) == os.SCHED_OTHER for pid in warm)
+    text = "The quick brown fox jumps over the lazy dog. " * (LONG_INPUT_CHARS // 45 + 1)
+    assert await renderer.encode(backend, [text]) == [backend.encode(text).ids]
+    (low,) = set(renderer.processes.pids) - set(warm)
+    # A task of this class never delays one that wakes: the engine's kernel threads.
+    assert os.sched_getscheduler(low) == os.SCHED_IDLE
+    chat = PromptInput(messages=({"role": "user", "content": text},))
+    assert await renderer.render(tokenizer, chat) == render(tokenizer, chat)
+    assert sorted(renderer.processes.pids) == sorted([*warm, low])  # the same long-job process
+
+
 async def test_a_long_encode_past_its_deadline_is_stopped_with_its_process(renderer, tokenizer):
     """A thread could not do this: the encode is one Rust call of a few seconds."""
     backend = tokenizer._tokenizer.backend_tokenizer
     assert await renderer.encode(backend, ["Stocks fell."]) == [backend.encode("Stocks fell.").ids]
-    pids = warmed(renderer)
+    warm = warmed(renderer)
+    (low,) = set(renderer.processes.pids) - set(warm)  # the long inputs' (the test before)
     text = "The quick brown fox jumps over the lazy dog. " * 80_000  # 3.6 MB: seconds to encode
     started = time.monotonic()
     with pytest.raises(InvalidRequestError) as caught:
         await renderer.encode(backend, [text], timeout_s=0.3)
     assert time.monotonic() - started < 1.5
     assert caught.value.param == "input"
-    (killed,) = [pid for pid in pids if not alive(pid)]
-    assert renderer.processes.num_running == 0
-    # The next job warms the pool back to its size: a fresh process replaces the killed one.
-    assert await renderer.encode(backend, ["Stocks fell."]) == [backend.encode("Stocks fell.").ids]
-    again = warmed(renderer)
-    assert killed not in again and len(set(again) & set(pids)) == 1
+    assert not alive(low) and all(alive(pid) for pid in warm)
+    assert sorted(renderer.processes.pids) == warm and renderer.processes.num_running == 0
