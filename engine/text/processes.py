@@ -22,7 +22,9 @@ large, so its work is long) runs in processes of their own in Linux's idle sched
 (`_lower`): a flood of one team's long renders then takes only the CPU the engine leaves, and
 never waits for, or holds, a process that the short jobs of everyone else use. Short jobs stay
 in the other class: an idle-class task gets almost no CPU while the engine keeps the cores
-busy, and a short render must not wait for that. Warm-up is for the short jobs' processes.
+busy, and a short render must not wait for that. So an idle-class job's deadline counts its
+process's CPU time (a job starved of CPU is slow, not runaway; LOW_WALL_FACTOR bounds its wall
+time). Warm-up is for the short jobs' processes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import multiprocessing
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -57,6 +60,9 @@ KNOWN_TOKENIZERS = 32
 PICKLED_TOKENIZERS = 4
 # A process's start (imports) and a tokenizer's arrival; neither counts against a job.
 SETUP_TIMEOUT_S = 120.0
+# An idle-class job's deadline is CPU time, and this many times as long in wall time.
+LOW_WALL_FACTOR = 6
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class WorkerFailed(EngineError):
@@ -90,6 +96,16 @@ def _serve(conn) -> None:
             conn.send(("invalid", str(exc), exc.param, exc.code))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """The CPU time a process has used (Linux's /proc), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
 def _lower(pid: int) -> None:
@@ -130,6 +146,23 @@ class _Worker:
             return self.conn.recv()
         except (EOFError, OSError):
             raise WorkerFailed("A tokenizer process ended unexpectedly.") from None
+
+    def job_reply(self, timeout_s: float | None) -> tuple | None:
+        """A job's answer; None once the job is past `timeout_s`. In the idle class that is
+        `timeout_s` of the process's CPU time (a job a busy engine leaves no CPU is slow, not
+        long), and at most LOW_WALL_FACTOR times as long in all."""
+        start = _cpu_seconds(self.pid) if self.low and timeout_s is not None else None
+        if start is None:
+            return self.reply(timeout_s)
+        deadline = time.monotonic() + timeout_s * LOW_WALL_FACTOR
+        while True:
+            used = _cpu_seconds(self.pid)
+            left = min(timeout_s - (used - start if used is not None else 0.0), 0.25)
+            if left <= 0 or time.monotonic() >= deadline:
+                return None
+            answer = self.reply(left)
+            if answer is not None:
+                return answer
 
     def ensure_tokenizer(self, key: int, pickled: Callable[[], bytes]) -> None:
         if key in self.tokenizers:
@@ -205,7 +238,7 @@ class TokenizerProcesses:
             worker.ensure_tokenizer(key, pickled)
             with self._counted():
                 worker.conn.send(("run", key, fn, args))
-                answer = worker.reply(timeout_s)
+                answer = worker.job_reply(timeout_s)
                 if answer is None:
                     self._discard(worker)  # inside the count: it counts until its process is gone
                     raise timeout_error

@@ -7,12 +7,15 @@ with a long input runs in processes of Linux's idle scheduling class, apart."""
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from engine.models.loader import load_tokenizer
 from engine.protocol import InvalidRequestError, PromptInput
+from engine.text.processes import LOW_WALL_FACTOR, _cpu_seconds
 from engine.text.rendering import LONG_INPUT_CHARS, PromptRenderer, render
 from tests.fixtures.tiny_models import tokenizer_dir
 
@@ -147,7 +150,26 @@ async def test_a_long_encode_past_its_deadline_is_stopped_with_its_process(rende
     started = time.monotonic()
     with pytest.raises(InvalidRequestError) as caught:
         await renderer.encode(backend, [text], timeout_s=0.3)
-    assert time.monotonic() - started < 1.5
+    # 0.3 s of its CPU time: as long in wall time on a machine that leaves it the CPU.
+    assert time.monotonic() - started < 0.3 * LOW_WALL_FACTOR + 1
     assert caught.value.param == "input"
     assert not alive(low) and all(alive(pid) for pid in warm)
     assert sorted(renderer.processes.pids) == warm and renderer.processes.num_running == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux's /proc")
+def test_an_idle_class_deadline_counts_the_processes_cpu_time():
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+    process = subprocess.Popen([sys.executable, "-c", burn + "input()"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while (_cpu_seconds(process.pid) or 0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        used = _cpu_seconds(process.pid)
+        assert used is not None and used >= 0.3
+        time.sleep(0.3)  # waiting for input: no CPU, however long in wall time
+        assert _cpu_seconds(process.pid) - used < 0.1
+    finally:
+        process.kill()
+        process.wait()
+    assert _cpu_seconds(process.pid) is None
