@@ -247,6 +247,15 @@ if min(ORCHARD_PREPARE_WORKERS, ORCHARD_PREPARE_PER_TEAM) < 1 or ORCHARD_PREPARE
         "ORCHARD_PREPARE_WORKERS and ORCHARD_PREPARE_PER_TEAM must be at least 1, "
         "ORCHARD_PREPARE_QUEUE_PER_TEAM at least 0."
     )
+# A /v1 body of this many bytes or more is first read and checked in a preflight process
+# (inference/api/preflight.py): one the checks refuse (a schema past the grammar limit, say)
+# never holds the web process's interpreter, which every request of every team needs. 0: off.
+ORCHARD_PREFLIGHT_BYTES = env_int("ORCHARD_PREFLIGHT_BYTES", 256 * 1024)
+# A preflight check past this much CPU time (or six times as long in all, on a machine too busy
+# to give it any) lets the body through to the web process's own read.
+ORCHARD_PREFLIGHT_TIMEOUT_SECONDS = env_float(
+    "ORCHARD_PREFLIGHT_TIMEOUT_SECONDS", 0.5, positive=True
+)
 # The engine's fair share between teams and service tiers (engine/core/fairness.py): off, the
 # engines admit in arrival order and never preempt. A tier below the top keeps at least this
 # share of a batch's rows while it has work, however busy the higher tiers are.

@@ -12,7 +12,7 @@ from django.views.decorators.http import require_POST
 
 from engine import PromptInput
 from inference.api import openai_format as fmt
-from inference.api.common import intake_for, json_response, read_body, streaming_response
+from inference.api.common import intake_for, json_response, read_body_in, streaming_response
 from inference.api.serializers import ChatCompletionSerializer, MessageError, normalize_messages
 from inference.errors import APIError
 from inference.services.generation import Generation, GenerationCall, generation_start
@@ -122,7 +122,7 @@ def structured_output(
 @require_POST
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     async with intake_for(request, "chat.completions") as intake:
-        data, call = await intake.in_thread(read_body, request, ChatCompletionSerializer, chat_call)
+        data, call = await read_body_in(intake, request, ChatCompletionSerializer, chat_call)
         generation = await generation_start(intake=intake, call=call)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -12,23 +12,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from rest_framework import serializers
 
 from accounts.authentication import AuthenticationError, authenticate_header
 from accounts.models import ApiKey
-from inference.api import jsonbody
+from inference.api import preflight
+from inference.api.bodies import check_body_bytes, parse_json, request_body
 from inference.errors import APIError
 from inference.services.admission import Intake, request_intake
 from inference.services.output import GenerationFailed
 
 logger = logging.getLogger(__name__)
 
-ERROR_UNPARSABLE = (
-    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using "
-    "your HTTP library correctly.)"
-)
 ERROR_STREAM_FAILED = "The server had an error while streaming this response."
 T = TypeVar("T")
 
@@ -71,41 +67,28 @@ def read_body(
 ) -> tuple[dict[str, Any], T | None]:
     """The body parsed, validated by `serializer_class`, and what `build` makes of it (an
     endpoint's call, with its grammar): work that grows with the body, for `Intake.in_thread`."""
-    data = validate(serializer_class, parse_json_body(request))
-    return data, None if build is None else build(data)
+    return check_body_bytes(request_body(request), serializer_class, build)
+
+
+async def read_body_in(
+    intake: Intake,
+    request: HttpRequest,
+    serializer_class: type[serializers.Serializer],
+    build: Callable[[dict[str, Any]], T] | None = None,
+    *,
+    preflight_build: Callable[[dict[str, Any]], Any] | None = None,
+) -> tuple[dict[str, Any], T | None]:
+    """`read_body` as a job of the intake's team; a large body is checked in a preflight
+    process first (inference/api/preflight.py), with `preflight_build` in place of
+    `build` where that needs more than the body (the database)."""
+    body = request_body(request)
+    if preflight.needed(body):
+        await preflight.preflight(intake, body, serializer_class, preflight_build or build)
+    return await intake.in_thread(read_body, request, serializer_class, build)
 
 
 def parse_json_body(request: HttpRequest) -> dict[str, Any]:
-    try:
-        body = request.body
-    except RequestDataTooBig:
-        raise APIError(413, "Request body too large.", code="request_too_large") from None
-    try:
-        data = jsonbody.loads(body)
-    except jsonbody.BodyError as exc:
-        raise APIError(400, f"{ERROR_UNPARSABLE} {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.")
-    return data
-
-
-def validate(serializer_class: type[serializers.Serializer], data: dict) -> dict[str, Any]:
-    serializer = serializer_class(data=data)
-    if not serializer.is_valid():
-        param, message = _first_error(serializer.errors)
-        raise APIError(400, f"Invalid '{param}': {message}", param=param)
-    return serializer.validated_data
-
-
-def _first_error(errors: Any, path: str = "") -> tuple[str, str]:
-    if isinstance(errors, dict):
-        key, value = next(iter(errors.items()))
-        return _first_error(value, f"{path}.{key}" if path else str(key))
-    if isinstance(errors, list):
-        if isinstance(errors[0], dict | list):
-            return _first_error(errors[0], path)
-        return path, str(errors[0])
-    return path, str(errors)
+    return parse_json(request_body(request))
 
 
 def json_response(body: dict[str, Any], headers: dict[str, str]) -> JsonResponse:

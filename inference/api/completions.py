@@ -13,7 +13,7 @@ from django.views.decorators.http import require_POST
 from engine import PromptInput
 from inference.api import openai_format as fmt
 from inference.api.chat import SAMPLING_FIELDS
-from inference.api.common import intake_for, json_response, read_body, streaming_response
+from inference.api.common import intake_for, json_response, read_body_in, streaming_response
 from inference.api.serializers import CompletionSerializer
 from inference.errors import APIError
 from inference.services.generation import Generation, GenerationCall, generation_start
@@ -62,9 +62,7 @@ def completion_call(data: dict[str, Any]) -> GenerationCall:
 @require_POST
 async def completions(request: HttpRequest) -> HttpResponse:
     async with intake_for(request, "completions") as intake:
-        data, call = await intake.in_thread(
-            read_body, request, CompletionSerializer, completion_call
-        )
+        data, call = await read_body_in(intake, request, CompletionSerializer, completion_call)
         generation = await generation_start(intake=intake, call=call)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -26,7 +26,8 @@ from django.views.decorators.http import require_GET, require_http_methods
 from rest_framework import serializers
 
 from accounts.models import ApiKey
-from inference.api.common import ClosingStreamingResponse, authenticate, validate
+from inference.api.bodies import validate
+from inference.api.common import ClosingStreamingResponse, authenticate
 from inference.batch_models import StoredFile
 from inference.batches.files import (
     UPLOAD_PURPOSES,

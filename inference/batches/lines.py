@@ -21,8 +21,8 @@ from typing import Any
 from rest_framework import serializers
 
 from accounts.models import ApiKey
+from inference.api.bodies import validate
 from inference.api.chat import chat_call, chat_completion_object
-from inference.api.common import validate
 from inference.api.completions import completion_call, text_completion_object
 from inference.api.embeddings import EmbeddingsSerializer, embeddings_object
 from inference.api.responses.serializers import ResponseCreateSerializer

@@ -9,7 +9,8 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 from rest_framework import serializers
 
-from inference.api.common import authenticate, json_response, parse_json_body, validate
+from inference.api.bodies import validate
+from inference.api.common import authenticate, json_response, parse_json_body
 from inference.batches.runner import wake_batch_runner
 from inference.batches.services import (
     batch_cancel,

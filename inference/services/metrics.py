@@ -55,6 +55,13 @@ LIMITER_REJECTIONS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+PREFLIGHTS = Counter(
+    "orchard_preflight_checks",
+    "Large bodies checked in a preflight process, by verdict: refused (never parsed by the web "
+    "process), accepted, or failed (the process failed or was too slow: read here instead).",
+    ["verdict"],
+    registry=REGISTRY,
+)
 
 
 def request_finished(

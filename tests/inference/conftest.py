@@ -5,6 +5,7 @@ import time
 
 import openai
 import pytest
+from django.contrib.auth import get_user_model
 from django.db.models import Sum
 
 from accounts.services import api_key_create, team_membership_ensure, user_get_or_create
@@ -39,6 +40,14 @@ def tiny_models(transactional_db, tiny_model_path):
 @pytest.fixture
 def api_key(make_key, tiny_models) -> str:
     return make_key()
+
+
+@pytest.fixture
+def staff_key(make_key, tiny_models) -> str:
+    """A key of a staff user (who may scrape /metrics)."""
+    key = make_key("ops", "ops-team")
+    get_user_model().objects.filter(username="ops").update(is_staff=True)
+    return key
 
 
 @pytest.fixture

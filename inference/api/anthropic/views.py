@@ -163,7 +163,7 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
 @require_POST
 async def messages_create(request: HttpRequest) -> HttpResponse:
     async with common.intake_for(request, "messages", x_api_key=True) as intake:
-        data, call = await intake.in_thread(common.read_body, request, MessagesSerializer, _call)
+        data, call = await common.read_body_in(intake, request, MessagesSerializer, _call)
         generation = await generation_start(intake=intake, call=call)
     message = {
         "id": f"msg_{uuid.uuid4().hex[:24]}",
@@ -190,8 +190,6 @@ async def messages_create(request: HttpRequest) -> HttpResponse:
 @require_POST
 async def count_tokens(request: HttpRequest) -> HttpResponse:
     async with common.intake_for(request, "messages.count_tokens", x_api_key=True) as intake:
-        _, call = await intake.in_thread(
-            common.read_body, request, CountTokensSerializer, _counted_call
-        )
+        _, call = await common.read_body_in(intake, request, CountTokensSerializer, _counted_call)
         count = await prompt_token_count(intake=intake, call=call)
     return common.json_response({"input_tokens": count}, {})

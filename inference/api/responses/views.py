@@ -23,14 +23,14 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from engine import PromptInput
+from inference.api.bodies import validate
 from inference.api.chat import requires_tool_call, structured_output, tools_for_template
 from inference.api.common import (
     authenticate,
     intake_for,
     json_response,
-    read_body,
+    read_body_in,
     typed_sse,
-    validate,
 )
 from inference.api.common import streaming_response as sse_response
 from inference.api.responses import items as input_items
@@ -84,6 +84,12 @@ def _template_kwargs(data: dict[str, Any]) -> dict[str, Any]:
 def response_items(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The input items of a validated create body."""
     return input_items.input_items(data["input"])
+
+
+def preflight_call(data: dict[str, Any]) -> GenerationCall:
+    """The call a body makes with its own input alone (what came before is in the database),
+    for the preflight's checks: its grammar and tools."""
+    return _call(data, response_items(data))
 
 
 def _call(data: dict[str, Any], conversation: list[dict[str, Any]]) -> GenerationCall:
@@ -210,8 +216,12 @@ async def _stream(run: _Run) -> AsyncIterator[bytes]:
 @require_POST
 async def responses_create(request: HttpRequest) -> HttpResponse:
     async with intake_for(request, "responses") as intake:
-        data, items = await intake.in_thread(
-            read_body, request, ResponseCreateSerializer, response_items
+        data, items = await read_body_in(
+            intake,
+            request,
+            ResponseCreateSerializer,
+            response_items,
+            preflight_build=preflight_call,
         )
         created = await response_created(intake, data, items)
     headers = created.run.generation.headers

@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from inference.api.common import ERROR_UNPARSABLE
+from inference.api.bodies import ERROR_UNPARSABLE
 from tests.inference.conftest import TINY
 
 # One token is enough to run a valid mutation end to end. Both size fields, so that a mutation

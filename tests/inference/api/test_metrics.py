@@ -4,7 +4,6 @@
 import httpx
 import openai
 import pytest
-from django.contrib.auth import get_user_model
 from django.test import AsyncClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,13 +25,6 @@ def scrape(url: str, key: str) -> dict[tuple[str, tuple], float]:
 
 def value(samples, name, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-@pytest.fixture
-def staff_key(make_key, tiny_models) -> str:
-    key = make_key("ops", "ops-team")
-    get_user_model().objects.filter(username="ops").update(is_staff=True)
-    return key
 
 
 def test_metrics_count_real_requests(live_server_url, staff_key, client, make_key):
