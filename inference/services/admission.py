@@ -199,6 +199,8 @@ async def request_intake(
     admission = await _limited(
         limits.enter(api_key), api_key=api_key, model="", endpoint=endpoint, path=path
     )
+    if path:
+        refused_keys.admitted(api_key)  # a held refusal's probe let in: the hold ends
     intake = Intake(api_key=api_key, request_id=request_id, endpoint=endpoint, admission=admission)
     try:
         yield intake

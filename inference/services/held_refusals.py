@@ -4,6 +4,13 @@ answers their requests in front of Django while a refusal is held).
 When the limiter refuses a key for its rpm, admission (inference/services/admission.py) calls
 `remember`: the refusal is held for at most HOLD_S, never past the window's own retry time, and
 only on the routes where the key was refused (each with its endpoint's name, for the metric).
+
+A hold that ends before the window's retry time lets one request through (the probe: the
+database and the limiter see the key again, its revocation or a raised limit included) and goes
+on answering the key's other requests until the probe's verdict, for at most PROBE_S. Without
+it, every hold's end let all of a flooding key's connections through Django at once, a burst
+that other teams' requests queued behind once a second. The probe refused renews the hold; the
+probe admitted, or no verdict within PROBE_S, ends it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from accounts.limits import RateLimitExceeded
 from accounts.models import ApiKey
 
 HOLD_S = 1.0
+PROBE_S = 1.0
 MAX_KEYS = 10_000  # keys held at once (each a few hundred bytes); past it, expired ones go
 
 
@@ -29,6 +37,7 @@ class Refusal:
     until: float  # monotonic
     retry_at: float  # monotonic: when the rpm window lets the key in again
     endpoints: dict[str, str]  # path -> the endpoint's name, where the key was refused
+    probe_until: float = 0.0  # monotonic: a probe is under way until then
 
 
 class RefusedKeys:
@@ -70,11 +79,24 @@ class RefusedKeys:
             refusal = self._by_digest.get(digest)
             if refusal is None:
                 return None
-            if refusal.until <= time.monotonic():
-                del self._by_digest[digest]
-                return None
             endpoint = refusal.endpoints.get(path)
-        return None if endpoint is None else (refusal, endpoint)
+            if endpoint is None:
+                return None
+            now = time.monotonic()
+            if refusal.until <= now:
+                if refusal.probe_until > now:
+                    return refusal, endpoint  # the probe's verdict is not in yet
+                if refusal.probe_until or refusal.retry_at <= now:
+                    del self._by_digest[digest]  # no verdict in time, or the window has room
+                    return None
+                refusal.probe_until = now + PROBE_S
+                return None  # this request is the probe
+        return refusal, endpoint
+
+    def admitted(self, api_key: ApiKey) -> None:
+        """A request of the key was let in (a probe, say): nothing of it is held now."""
+        with self._lock:
+            self._by_digest.pop(api_key.digest, None)
 
     def forget(self) -> None:
         with self._lock:

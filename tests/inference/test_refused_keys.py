@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import httpx
 
 from accounts.limits import RateLimitExceeded
+from inference.services import held_refusals
 from inference.services.held_refusals import RefusedKeys
 from tests.inference.conftest import TINY, refused_count
 
@@ -85,6 +86,32 @@ def test_a_hold_ends_after_its_time_or_the_windows_retry_whichever_is_first():
     assert held.held(RAW, "/v1/completions") is not None
     time.sleep(0.1)
     assert held.held(RAW, "/v1/completions") is None  # the window let the key in again
+
+
+def test_a_hold_ending_before_the_window_lets_one_probe_through(monkeypatch):
+    monkeypatch.setattr(held_refusals, "PROBE_S", 0.2)
+    held = RefusedKeys(hold_s=0.1)
+    path = "/v1/chat/completions"
+    held.remember(key(), refusal(), path=path, endpoint="chat.completions")
+    time.sleep(0.15)
+    # The hold is over: one request goes through to Django and the limiter...
+    assert held.held(RAW, path) is None
+    # ...while the key's other requests are still answered in front of Django.
+    assert all(held.held(RAW, path) is not None for _ in range(5))
+    # The probe refused again renews the hold.
+    held.remember(key(), refusal(), path=path, endpoint="chat.completions")
+    assert held.held(RAW, path) is not None
+    time.sleep(0.15)
+    assert held.held(RAW, path) is None  # the next probe
+    # The probe let in (a raised limit) ends the hold at once.
+    held.admitted(key())
+    assert held.held(RAW, path) is None and held.held(RAW, path) is None
+    # A probe with no verdict within PROBE_S ends it too.
+    held.remember(key(), refusal(), path=path, endpoint="chat.completions")
+    time.sleep(0.15)
+    assert held.held(RAW, path) is None and held.held(RAW, path) is not None
+    time.sleep(0.25)
+    assert held.held(RAW, path) is None and held.held(RAW, path) is None
 
 
 def test_only_rpm_refusals_are_held():
