@@ -251,8 +251,8 @@ if min(ORCHARD_PREPARE_WORKERS, ORCHARD_PREPARE_PER_TEAM) < 1 or ORCHARD_PREPARE
 # (inference/api/preflight.py): one the checks refuse (a schema past the grammar limit, say)
 # never holds the web process's interpreter, which every request of every team needs. 0: off.
 ORCHARD_PREFLIGHT_BYTES = env_int("ORCHARD_PREFLIGHT_BYTES", 256 * 1024)
-# A preflight check past this much CPU time (or six times as long in all, on a machine too busy
-# to give it any) lets the body through to the web process's own read.
+# A preflight check past this much CPU time (six times as long in all, 5 s at least, on a
+# machine too busy to give it any) lets the body through to the web process's own read.
 ORCHARD_PREFLIGHT_TIMEOUT_SECONDS = env_float(
     "ORCHARD_PREFLIGHT_TIMEOUT_SECONDS", 0.5, positive=True
 )

@@ -62,6 +62,7 @@ PICKLED_TOKENIZERS = 4
 SETUP_TIMEOUT_S = 120.0
 # An idle-class job's deadline is CPU time, and this many times as long in wall time.
 LOW_WALL_FACTOR = 6
+LOW_WALL_MIN_S = 5.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -150,11 +151,11 @@ class _Worker:
     def job_reply(self, timeout_s: float | None) -> tuple | None:
         """A job's answer; None once the job is past `timeout_s`. In the idle class that is
         `timeout_s` of the process's CPU time (a job a busy engine leaves no CPU is slow, not
-        long), and at most LOW_WALL_FACTOR times as long in all."""
+        long), and at most LOW_WALL_FACTOR times as long in all (LOW_WALL_MIN_S at least)."""
         start = _cpu_seconds(self.pid) if self.low and timeout_s is not None else None
         if start is None:
             return self.reply(timeout_s)
-        deadline = time.monotonic() + timeout_s * LOW_WALL_FACTOR
+        deadline = time.monotonic() + max(timeout_s * LOW_WALL_FACTOR, LOW_WALL_MIN_S)
         while True:
             used = _cpu_seconds(self.pid)
             left = min(timeout_s - (used - start if used is not None else 0.0), 0.25)

@@ -2,25 +2,37 @@
 its endpoint reads it, here only to learn whether it is refused.
 
 Imported by a bare spawned process before Django is set up, so nothing at the top but the
-standard library; Django starts on the first check.
+standard library; Django starts when the process is sent `DJANGO`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_ready = False
+
+class Django:
+    """What a preflight process is sent in place of a tokenizer: unpickling it there sets Django
+    up, in the process's setup (a second or so of imports), which no check's deadline counts."""
+
+    def __reduce__(self):
+        return (_set_up, ())
 
 
-def check_body(_tokenizer: None, body: bytes, serializer: str, build: str | None) -> Any:
+def _set_up() -> Django:
+    import django
+    from django.apps import apps
+
+    if not apps.ready:
+        django.setup()
+    return Django()
+
+
+DJANGO = Django()
+
+
+def check_body(_django: Django, body: bytes, serializer: str, build: str | None) -> Any:
     """The APIError `read_body` raises for `body` (its status, message, param, code and type),
     or None when it is accepted. `serializer` and `build` are dotted paths."""
-    global _ready
-    if not _ready:
-        import django
-
-        django.setup()
-        _ready = True
     from django.utils.module_loading import import_string
 
     from inference.api.bodies import check_body_bytes

@@ -67,7 +67,7 @@ async def preflight(
     build: Callable[[dict[str, Any]], Any] | None,
 ) -> None:
     """Raise the APIError the endpoint's read of `body` would raise, found in a process."""
-    from inference.api.body_check import check_body
+    from inference.api.body_check import DJANGO, check_body
 
     args = (body, _path(serializer_class), _path(build) if build is not None else None)
     seconds = settings.ORCHARD_PREFLIGHT_TIMEOUT_SECONDS
@@ -75,7 +75,7 @@ async def preflight(
     try:
         refusal = await intake.prepare(
             lambda: _processes().run(
-                None,
+                DJANGO,
                 check_body,
                 *args,
                 timeout_s=seconds,

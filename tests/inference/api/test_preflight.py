@@ -136,6 +136,22 @@ async def test_a_refused_body_is_never_parsed_by_the_web_process(processes, pars
 
 
 @pytest.mark.django_db
+async def test_a_new_preflight_process_sets_django_up_outside_the_checks_budget(
+    monkeypatch, parsed_here
+):
+    # The default budget (0.5 s of CPU) is less than Django's setup: charged to the first
+    # check, every check of a new process would fall back to the web process's read.
+    pool = TokenizerProcesses(1)
+    monkeypatch.setattr(preflight, "_processes", lambda: pool)
+    try:
+        with pytest.raises(APIError) as caught:
+            await read({"model": TINY, "messages": MESSAGES, "response_format": FORMAT})
+    finally:
+        pool.close()
+    assert GRAMMAR_TOO_BIG in caught.value.message and parsed_here == []
+
+
+@pytest.mark.django_db
 async def test_a_failed_preflight_lets_the_web_process_read_the_body(monkeypatch, parsed_here):
     class Broken:
         async def run(self, *args, **kwargs):
