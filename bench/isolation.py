@@ -12,7 +12,10 @@ Team B probes the whole time, one request after another on each of two connectio
 /v1/models` (its latency) and a streamed chat completion of 4 tokens (its time to first token;
 the chats' usage rows say how much of it was the engine's, from the request's submission to it).
 First alone (the baseline), then while team A runs each abuse in a loop, one abuse at a time, from
-processes of its own (so A's client work does not slow B's measuring):
+processes of its own. A's client stands for other machines: on this one it shares the cores
+with the server, so it runs in Linux's idle scheduling class (measured here, two busy processes
+at nice 19 made B's first token 3.3x slower, since MLX's CPU kernels wait for their every thread,
+and two of the idle class 1.3x); `--abusers normal` runs it like any process:
 
 - bodies: 8 MiB bodies to /v1/chat/completions (413s) on 8 connections;
 - enums: a `json_schema` whose enum has 250,000 entries (a 3 MiB body, refused past the grammar
@@ -229,7 +232,11 @@ async def abuse(base_url: str, key: str, kind: str, stop_at: float) -> dict[str,
     return statuses
 
 
-def abuser_process(base_url: str, key: str, kind: str, stop_at_wall: float, out) -> None:
+def abuser_process(
+    base_url: str, key: str, kind: str, stop_at_wall: float, out, idle: bool
+) -> None:
+    if idle:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     stop_at = time.monotonic() + (stop_at_wall - time.time())
     out.send(asyncio.run(abuse(base_url, key, kind, stop_at)))
 
@@ -282,12 +289,16 @@ def setup_teams(home: Path) -> dict[str, str]:
     return keys
 
 
-def run_abuse(base_url: str, keys: dict[str, str], kind: str, seconds: float) -> tuple:
+def run_abuse(
+    base_url: str, keys: dict[str, str], kind: str, seconds: float, *, idle: bool
+) -> tuple:
     key = keys["team-a-limited" if kind == "429s" else "team-a"]
     context = multiprocessing.get_context("spawn")
     stop_at = time.time() + seconds + 3
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=abuser_process, args=(base_url, key, kind, stop_at, send))
+    process = context.Process(
+        target=abuser_process, args=(base_url, key, kind, stop_at, send, idle)
+    )
     process.start()
     time.sleep(3)  # the abuse under way before B measures
     measured = measure(base_url, keys["team-b"], seconds)
@@ -307,6 +318,13 @@ def main() -> None:
         choices=("local", "remote"),
         default="local",
         help="engine inside daphne (make serve's) or in a runengine worker over Redis",
+    )
+    parser.add_argument(
+        "--abusers",
+        choices=("idle", "normal"),
+        default="idle" if hasattr(os, "SCHED_IDLE") else "normal",
+        help="team A's client processes: Linux's idle scheduling class (they stand for other "
+        "machines) or a normal process's",
     )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
@@ -329,7 +347,9 @@ def main() -> None:
         print(f"alone: {baseline.row()}", flush=True)
         rows = []
         for kind in kinds:
-            measured, statuses = run_abuse(base_url, keys, kind, args.seconds)
+            measured, statuses = run_abuse(
+                base_url, keys, kind, args.seconds, idle=args.abusers == "idle"
+            )
             print(f"{kind}: {measured.row()} failures={measured.failures[:3]} A={statuses}")
             rows.append((kind, measured, statuses))
         sizes = chain_growth(base_url, keys["team-b"])
@@ -348,7 +368,12 @@ def report(args, load_before: str, baseline: Probe, rows: list, sizes: list[int]
         if args.layout == "local"
         else "one daphne and one runengine worker (Redis)"
     )
-    lines = run_header("isolation.py", f", load before {load_before}; {where}, SQLite")
+    clients = (
+        "team A's clients in the idle scheduling class"
+        if args.abusers == "idle"
+        else "team A's clients as normal processes"
+    )
+    lines = run_header("isolation.py", f", load before {load_before}; {where}, SQLite; {clients}")
     base = baseline.row()
     lines += [
         "",
