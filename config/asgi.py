@@ -24,7 +24,7 @@ django.setup(set_prefix=False)
 from django.conf import settings  # noqa: E402
 from django.urls import path, reverse  # noqa: E402
 
-from common import daphne_requests  # noqa: E402
+from common import daphne_requests, heap  # noqa: E402
 from common.request_threads import PooledASGIHandler  # noqa: E402
 from inference.batches.file_views import upload_body_cap  # noqa: E402
 from inference.body_cap import BodyCapMiddleware  # noqa: E402
@@ -87,6 +87,10 @@ application = ProtocolTypeRouter(
         ),
     }
 )
+
+# What the imports made, out of every later full garbage collection (common/heap.py): before
+# the threads below start loading models, so a model's objects stay collectable.
+heap.settle()
 
 if settings.ORCHARD_PRELOAD_MODELS:
     from inference.services.engines import preload_models

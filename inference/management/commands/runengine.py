@@ -10,6 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
+from common import heap
 from inference.services.engines import enabled_specs, engine_worker
 from inference.workers.beats import BeatStore
 from inference.workers.server import EngineServer
@@ -45,6 +46,7 @@ class Command(BaseCommand):
         if not settings.REDIS_URL:
             raise CommandError("runengine needs REDIS_URL: workers meet the web processes there.")
         names = [name.strip() for name in models.split(",") if name.strip()] or None
+        heap.settle()  # the imports, out of later full collections (common/heap.py)
         asyncio.run(self._serve(names, worker_id))
 
     async def _serve(self, names: list[str] | None, worker_id: str | None) -> None:
