@@ -23,6 +23,7 @@ from engine.protocol import (
     ModelSpec,
     ModelStatus,
     PromptInput,
+    PromptRoom,
     RenderedPrompt,
 )
 
@@ -79,12 +80,19 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     async def render_prompt(
-        self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
+        self,
+        model: str,
+        prompt: PromptInput,
+        *,
+        timeout_s: float | None = None,
+        room: PromptRoom | None = None,
     ) -> RenderedPrompt:
         """Token ids for a prompt: chat messages through the model's chat template (with `tools`
         and `chat_template_kwargs`, whose server-owned keys are refused), text through the
         tokenizer, or token ids as they are; for a chat on a hybrid model, also its checkpoints.
-        A render running past `timeout_s` is stopped (its work ends) with InvalidRequestError."""
+        A render running past `timeout_s` is stopped (its work ends) with InvalidRequestError.
+        With `room`, a text prompt that leaves too little of the context is refused where it
+        is tokenized (InvalidRequestError, context_length_exceeded)."""
 
     @abc.abstractmethod
     async def detokenize(self, model: str, token_ids: list[int]) -> str:

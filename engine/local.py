@@ -34,6 +34,7 @@ from engine.protocol import (
     ModelSpec,
     ModelStatus,
     PromptInput,
+    PromptRoom,
     RenderedPrompt,
 )
 from engine.text.processes import PROCESSES
@@ -137,7 +138,12 @@ class LocalEngineClient(EngineClient):
             await asyncio.to_thread(self.worker.unload, name)
 
     async def render_prompt(
-        self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
+        self,
+        model: str,
+        prompt: PromptInput,
+        *,
+        timeout_s: float | None = None,
+        room: PromptRoom | None = None,
     ) -> RenderedPrompt:
         engine = self.worker.get(model)
         rendered = await self.renderer.render(
@@ -145,6 +151,7 @@ class LocalEngineClient(EngineClient):
             dataclasses.replace(prompt, images=()),  # the template sees image parts only
             checkpoints=engine.info.hybrid,
             timeout_s=timeout_s,
+            room=None if prompt.images else room,  # images add their tokens after
         )
         if prompt.images:
             rendered = await expand_rendered(engine.loaded.vision, rendered, prompt.images)

@@ -7,7 +7,7 @@ specs, facts and status; generation.py: a generation's request and its outputs; 
 one check of a request against its model and the one sizing of its completion.
 """
 
-from engine.protocol.checks import completion_budget, validate_generation
+from engine.protocol.checks import PromptRoom, completion_budget, validate_generation
 from engine.protocol.errors import (
     EmbeddingLoadError,
     EngineError,
@@ -73,6 +73,7 @@ __all__ = [
     "ModelUnavailableError",
     "PromptImage",
     "PromptInput",
+    "PromptRoom",
     "RenderedPrompt",
     "RequestStatus",
     "SamplingParams",

@@ -3,9 +3,35 @@ sizing of its completion."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.protocol.errors import InvalidRequestError
 from engine.protocol.generation import GenerationRequest
 from engine.protocol.models import ModelInfo
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """What a prompt must leave room for: `completion` tokens (the request's max_tokens, else 1)
+    within the model's `context_length`. Checked by `validate_generation`, and where the prompt
+    is tokenized (engine/text/rendering.py), so that a prompt too long for the model is refused
+    there and its token ids never cross back to the web process (250,000 ids are some 15 ms of
+    the interpreter lock to unpickle and free)."""
+
+    context_length: int
+    completion: int
+    param: str = "prompt"
+
+    def check(self, num_prompt: int) -> None:
+        if num_prompt + self.completion > self.context_length:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.context_length} tokens. However, "
+                f"you requested {num_prompt + self.completion} tokens ({num_prompt} in the "
+                f"{self.param}, {self.completion} in the completion). Please reduce the length of "
+                f"the {self.param} or completion.",
+                param=self.param,
+                code="context_length_exceeded",
+            )
 
 
 def validate_generation(
@@ -36,15 +62,7 @@ def validate_generation(
         raise InvalidRequestError(f"The {prompt_param} is empty.", param=prompt_param)
     completion = params.max_tokens or 1
     needed = params.n * (num_prompt + completion)
-    if num_prompt + completion > info.context_length:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {info.context_length} tokens. However, you "
-            f"requested {num_prompt + completion} tokens ({num_prompt} in the {prompt_param}, "
-            f"{completion} in the completion). Please reduce the length of the {prompt_param} "
-            "or completion.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+    PromptRoom(info.context_length, completion, prompt_param).check(num_prompt)
     if info.max_request_tokens is not None and needed > info.max_request_tokens:
         raise InvalidRequestError(
             f"This request needs room for {needed} tokens ({params.n} × ({num_prompt} + "

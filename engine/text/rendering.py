@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from jinja2 import TemplateError
 
-from engine.protocol import InvalidRequestError, PromptInput, RenderedPrompt
+from engine.protocol import InvalidRequestError, PromptInput, PromptRoom, RenderedPrompt
 from engine.text.processes import PROCESSES, TokenizerProcesses
 from engine.text.templates import ERROR_TIMEOUT, apply_chat_template
 
@@ -36,7 +36,10 @@ class PromptRenderer:
         *,
         checkpoints: bool = False,
         timeout_s: float | None = None,
+        room: PromptRoom | None = None,
     ) -> RenderedPrompt:
+        """`prompt`'s token ids; with `room`, a prompt that leaves too little of the context is
+        refused in the process (`PromptRoom.check`), its ids never sent back."""
         if prompt.token_ids is not None:
             return RenderedPrompt(tuple(prompt.token_ids))
         param = "messages" if prompt.messages is not None else "prompt"
@@ -45,6 +48,7 @@ class PromptRenderer:
             _render_job,
             prompt,
             checkpoints,
+            room,
             timeout_s=timeout_s,
             timeout_error=_timeout(timeout_s, param),
             low=_input_chars(prompt) >= LONG_INPUT_CHARS,
@@ -95,8 +99,13 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in tokenizer.encode_batch(texts)]
 
 
-def _render_job(tokenizer, prompt: PromptInput, checkpoints: bool) -> RenderedPrompt:
-    return render(tokenizer, prompt, checkpoints=checkpoints)
+def _render_job(
+    tokenizer, prompt: PromptInput, checkpoints: bool, room: PromptRoom | None
+) -> RenderedPrompt:
+    rendered = render(tokenizer, prompt, checkpoints=checkpoints)
+    if room is not None:
+        room.check(len(rendered.token_ids))
+    return rendered
 
 
 # Tokens at the end of a chat prompt decoded for `RenderedPrompt.tail_text`.

@@ -47,6 +47,7 @@ from engine import (
     ModelUnavailableError,
     PromptImage,
     PromptInput,
+    PromptRoom,
     RenderedPrompt,
     SamplingParams,
     validate_generation,
@@ -201,7 +202,10 @@ async def generation_start(*, intake: Intake, call: GenerationCall) -> Generatio
     inputs = await prompts_with_images(
         call.prompts, info=info, model=entry.name, known=intake.images, run=intake.in_thread
     )
-    prompts = [await _render(intake, entry.name, p, call.prompt_param) for p in inputs]
+    # A prompt that cannot fit is refused where it is tokenized (PromptRoom), as validation
+    # below would refuse it, without its ids coming back.
+    room = PromptRoom(info.context_length, sampling.max_tokens or 1, call.prompt_param)
+    prompts = [await _render(intake, entry.name, p, call.prompt_param, room) for p in inputs]
     images = [
         tuple(
             PromptImage.of(data, count)
@@ -329,19 +333,22 @@ async def _serving_model(entry: ModelEntry) -> ModelInfo:
         raise model_load_failed(entry) from None
 
 
-async def _render(intake: Intake, model: str, prompt: PromptInput, param: str) -> RenderedPrompt:
-    """The prompt rendered as one of the request's preparation jobs, stopped at the deadline."""
+async def _render(
+    intake: Intake, model: str, prompt: PromptInput, param: str, room: PromptRoom | None = None
+) -> RenderedPrompt:
+    """The prompt rendered as one of the request's preparation jobs, stopped at the deadline
+    (with `room`, refused there if it cannot fit)."""
     client = get_engine_client()
     try:
         rendered = await intake.prepare(
             lambda: client.render_prompt(
-                model, prompt, timeout_s=settings.ORCHARD_RENDER_TIMEOUT_SECONDS
+                model, prompt, timeout_s=settings.ORCHARD_RENDER_TIMEOUT_SECONDS, room=room
             )
         )
     except InvalidRequestError as exc:
         # The engine names the prompt by its kind; the endpoint knows its own field's name.
         named = param if exc.param in (None, "messages", "prompt") else exc.param
-        raise APIError(400, str(exc), param=named) from None
+        raise APIError(400, str(exc), param=named, code=exc.code) from None
     except ModelNotLoadedError as exc:
         raise APIError(503, ERROR_RELOADING, code=exc.code) from None
     return rendered

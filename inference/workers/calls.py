@@ -10,6 +10,7 @@ carries bytes), a fraction of the size of a list of numbers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ from engine import (
     ModelUnavailableError,
     PromptInput,
     PromptRenderer,
+    PromptRoom,
     RenderedPrompt,
 )
 from inference.workers.fleet import Fleet, Worker
@@ -83,16 +85,22 @@ class WorkerCalls:
 
     # Prompts
     async def render(
-        self, model: str, prompt: PromptInput, timeout_s: float | None
+        self,
+        model: str,
+        prompt: PromptInput,
+        timeout_s: float | None,
+        room: PromptRoom | None = None,
     ) -> RenderedPrompt:
         worker, info = await self.fleet.any_serving(model)
         spec = worker.beat.models[model].model_spec()
         tokenizer = await self._tokenizer(spec, info)
         if tokenizer is not None and not prompt.images:  # images: the worker's processor
             return await self.renderer.render(
-                tokenizer, prompt, checkpoints=info.hybrid, timeout_s=timeout_s
+                tokenizer, prompt, checkpoints=info.hybrid, timeout_s=timeout_s, room=room
             )
         args = {"model": model, "prompt": prompt.to_dict(), "timeout_s": timeout_s}
+        if room is not None:
+            args["room"] = dataclasses.asdict(room)
         value = await self.call(worker, "render", args, (timeout_s or CALL_TIMEOUT_S) + 2)
         return RenderedPrompt(
             tuple(value["token_ids"]),

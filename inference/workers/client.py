@@ -34,6 +34,7 @@ from engine import (
     ModelStatus,
     ModelUnavailableError,
     PromptInput,
+    PromptRoom,
     RenderedPrompt,
 )
 from inference.workers.beats import BeatStore, WorkerBeat, model_status, sum_stats
@@ -238,10 +239,15 @@ class RemoteEngineClient(EngineClient):
 
     # Prompts
     async def render_prompt(
-        self, model: str, prompt: PromptInput, *, timeout_s: float | None = None
+        self,
+        model: str,
+        prompt: PromptInput,
+        *,
+        timeout_s: float | None = None,
+        room: PromptRoom | None = None,
     ) -> RenderedPrompt:
         await self._started()
-        return await self.calls.render(model, prompt, timeout_s)
+        return await self.calls.render(model, prompt, timeout_s, None if prompt.images else room)
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         await self._started()

@@ -34,6 +34,7 @@ from engine import (
     ModelSpec,
     PromptInput,
     PromptRenderer,
+    PromptRoom,
     expand_rendered,
 )
 from inference.workers.beats import BeatStore, ModelBeat, WorkerBeat
@@ -309,6 +310,7 @@ class EngineServer:
             dataclasses.replace(prompt, images=()),  # the template sees image parts only
             checkpoints=engine.info.hybrid,
             timeout_s=args.get("timeout_s"),
+            room=None if prompt.images or not args.get("room") else PromptRoom(**args["room"]),
         )
         if prompt.images:
             rendered = await expand_rendered(engine.loaded.vision, rendered, prompt.images)

@@ -14,6 +14,7 @@ from engine.protocol import (
     ModelNotLoadedError,
     ModelSpec,
     PromptInput,
+    PromptRoom,
     SamplingParams,
 )
 from engine.worker import EngineWorker
@@ -48,6 +49,39 @@ async def test_ensure_model_loads_the_folder_and_shutdown_stops_it():
 
 async def run(client, params, prompt=(1000, 2000, 3000)):
     return [o async for o in client.generate(make_request("r", prompt, params))]
+
+
+async def test_a_prompt_without_room_is_refused_where_it_is_tokenized(client, monkeypatch):
+    chat = PromptInput(messages=({"role": "user", "content": "apple " * 200},))
+    ids = (await client.render_prompt("tiny", chat)).token_ids
+    outcomes = []
+    run = client.renderer.processes.run
+
+    async def watched(*args, **kwargs):
+        try:
+            result = await run(*args, **kwargs)
+        except InvalidRequestError:
+            outcomes.append("refused")
+            raise
+        outcomes.append(type(result).__name__)
+        return result
+
+    monkeypatch.setattr(client.renderer.processes, "run", watched)
+    room = PromptRoom(context_length=len(ids) + 4, completion=5, param="messages")
+    with pytest.raises(InvalidRequestError) as caught:
+        await client.render_prompt("tiny", chat, room=room)
+    # The process refused it: no ids came back to be checked here.
+    assert outcomes == ["refused"]
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+    assert str(caught.value) == (
+        f"This model's maximum context length is {len(ids) + 4} tokens. However, you requested "
+        f"{len(ids) + 5} tokens ({len(ids)} in the messages, 5 in the completion). Please reduce "
+        "the length of the messages or completion."
+    )
+    # With room for the completion, the same ids as without a room.
+    fits = PromptRoom(context_length=len(ids) + 4, completion=4, param="messages")
+    assert (await client.render_prompt("tiny", chat, room=fits)).token_ids == ids
+    assert outcomes == ["refused", "RenderedPrompt"]
 
 
 async def test_render_prompt_and_detokenize(client):

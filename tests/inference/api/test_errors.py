@@ -83,7 +83,15 @@ def test_context_length_exceeded(client):
     long = [{"role": "user", "content": "apple " * 5000}]
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=TINY, messages=long)
+    # Refused where it was tokenized, in validation's words.
     assert caught.value.code == "context_length_exceeded"
+    assert caught.value.body["param"] == "messages"
+    assert "in the messages, 1 in the completion)" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=TINY, prompt="apple " * 5000, max_tokens=7)
+    assert caught.value.code == "context_length_exceeded"
+    assert caught.value.body["param"] == "prompt"
+    assert "in the prompt, 7 in the completion)" in caught.value.message
 
 
 def test_malformed_json_and_non_object_bodies(post, tiny_models):

@@ -72,6 +72,15 @@ def test_streaming_through_a_remote_worker_matches_the_in_process_engine(
     assert all(r.completion_tokens == 40 and r.prompt_tokens > 0 for r in rows)
 
 
+def test_a_prompt_too_long_for_the_model_is_refused_through_a_remote_worker(layout, key):
+    long = [{"role": "user", "content": "apple " * 5000}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client_for(layout, key).chat.completions.create(model=TINY, messages=long, max_tokens=3)
+    assert caught.value.code == "context_length_exceeded"
+    assert caught.value.body["param"] == "messages"
+    assert "in the messages, 3 in the completion)" in caught.value.message
+
+
 def test_requests_go_to_the_least_loaded_worker(layout, key):
     workers = layout.live(TINY)
     before = {w: layout.stats(w, TINY).get("num_generated_tokens", 0) for w in workers}
