@@ -247,6 +247,14 @@ if min(ORCHARD_PREPARE_WORKERS, ORCHARD_PREPARE_PER_TEAM) < 1 or ORCHARD_PREPARE
         "ORCHARD_PREPARE_WORKERS and ORCHARD_PREPARE_PER_TEAM must be at least 1, "
         "ORCHARD_PREPARE_QUEUE_PER_TEAM at least 0."
     )
+# Each web process (and `runengine` worker) renders and tokenizes in ORCHARD_PREPARE_WORKERS
+# tokenizer processes of each kind (engine/text/processes.py); each keeps the last
+# ORCHARD_TOKENIZERS_PER_PROCESS tokenizers it used (~80 MB each for Qwen3's, on a process of
+# ~250 MB), and one that has had no job for ORCHARD_TOKENIZER_IDLE_SECONDS stops (the last stays).
+ORCHARD_TOKENIZERS_PER_PROCESS = env_int("ORCHARD_TOKENIZERS_PER_PROCESS", 4)
+ORCHARD_TOKENIZER_IDLE_SECONDS = env_float("ORCHARD_TOKENIZER_IDLE_SECONDS", 300.0, positive=True)
+if ORCHARD_TOKENIZERS_PER_PROCESS < 1:
+    raise ImproperlyConfigured("ORCHARD_TOKENIZERS_PER_PROCESS must be at least 1.")
 # A /v1 body of this many bytes or more is first read and checked in a preflight process
 # (inference/api/preflight.py): one the checks refuse (a schema past the grammar limit, say)
 # never holds the web process's interpreter, which every request of every team needs. 0: off.

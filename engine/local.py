@@ -37,7 +37,7 @@ from engine.protocol import (
     PromptRoom,
     RenderedPrompt,
 )
-from engine.text.processes import PROCESSES
+from engine.text.processes import PoolSize
 from engine.text.rendering import PromptRenderer
 from engine.worker import EngineWorker
 
@@ -73,9 +73,9 @@ class _LoopMailbox:
 
 
 class LocalEngineClient(EngineClient):
-    def __init__(self, worker: EngineWorker | None = None, *, render_processes: int = PROCESSES):
+    def __init__(self, worker: EngineWorker | None = None, *, render: PoolSize | None = None):
         self.worker = worker or EngineWorker()
-        self.renderer = PromptRenderer(render_processes)
+        self.renderer = PromptRenderer(render)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox] = (
             weakref.WeakKeyDictionary()
         )

@@ -44,6 +44,13 @@ settings.ORCHARD_MODEL_CACHE_SHARE = float(os.environ["ORCHARD_MODEL_CACHE_SHARE
 os.environ.setdefault("ORCHARD_PREFIX_DISK_BYTES", "0")
 if os.environ["ORCHARD_PREFIX_DISK_BYTES"] == "0":
     settings.ORCHARD_PREFIX_DISK_BYTES = 0
+# A test run starts dozens of servers, each with pools of tokenizer processes (~250 MB each, and
+# ~80 MB a tokenizer more): each process keeps two tokenizers and stops after 20 s without a job,
+# so the servers of a run that serves many tokenizers stay within the machine's memory.
+os.environ.setdefault("ORCHARD_TOKENIZERS_PER_PROCESS", "2")
+os.environ.setdefault("ORCHARD_TOKENIZER_IDLE_SECONDS", "20")
+settings.ORCHARD_TOKENIZERS_PER_PROCESS = int(os.environ["ORCHARD_TOKENIZERS_PER_PROCESS"])
+settings.ORCHARD_TOKENIZER_IDLE_SECONDS = float(os.environ["ORCHARD_TOKENIZER_IDLE_SECONDS"])
 
 
 def pytest_collection_modifyitems(config, items):

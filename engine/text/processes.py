@@ -14,8 +14,13 @@ safe), on first need: a process that never renders starts none. Once a job has u
 tokenizer, the pool warms in the background: every process of it starts (a killed one is
 replaced) and is sent that tokenizer, so a job that arrives while other teams' jobs hold the
 warm processes waits for neither a start (~1 s) nor a tokenizer (pickled: ~12 MB and ~0.4 s
-for Qwen3's). Each process keeps the last TOKENIZERS_PER_PROCESS it was sent. The deadline
-covers the job only, not a process's start or a tokenizer's arrival.
+for Qwen3's). The deadline covers the job only, not a process's start or a tokenizer's arrival.
+
+Memory is bounded by `PoolSize`: each process keeps the last `tokenizers` it was sent (a
+process of Qwen3's tokenizer is ~250 MB here, and each more tokenizer adds ~80 MB), and a
+process that has run no job for `idle_s` stops, but for the last one of the short jobs' class:
+a web process that serves a few models through a busy hour keeps its warm pool, one left alone
+for the night gives its memory back to the models.
 
 All processes run below the engine by nice. A job its caller marks `low` (one whose input is
 large, so its work is long) runs in processes of their own in Linux's idle scheduling class
@@ -42,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.protocol import EngineError, InvalidRequestError
@@ -52,7 +58,8 @@ T = TypeVar("T")
 
 PROCESSES = 4
 NICENESS = 10
-TOKENIZERS_PER_PROCESS = 8
+TOKENIZERS_PER_PROCESS = 4
+IDLE_S = 300.0
 # Tokenizers the parent knows by key (a key is never reused for another tokenizer).
 KNOWN_TOKENIZERS = 32
 # Pickled tokenizers kept to send to the next process that needs one: pickling holds the GIL
@@ -68,6 +75,30 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 class WorkerFailed(EngineError):
     """A tokenizer process failed in a way that is not the request's fault."""
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """How much of the machine a pool of tokenizer processes may hold: at most `processes`
+    jobs (and processes) of each class at once, `tokenizers` kept in each process, and a
+    process idle for `idle_s` stops (the last of the short jobs' class stays)."""
+
+    processes: int = PROCESSES
+    tokenizers: int = TOKENIZERS_PER_PROCESS
+    idle_s: float = IDLE_S
+
+    def __post_init__(self) -> None:
+        if self.processes < 1 or self.tokenizers < 1 or not self.idle_s > 0:
+            raise ValueError(f"a pool needs a process, a tokenizer and an idle time: {self}")
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc keeps what a dropped
+    tokenizer's Rust and Python objects freed; elsewhere this does nothing)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _serve(conn) -> None:
@@ -88,6 +119,8 @@ def _serve(conn) -> None:
                 _, key, blob, evict = message
                 for old in evict:
                     tokenizers.pop(old, None)
+                if evict:
+                    _trim_heap()
                 tokenizers[key] = pickle.loads(blob)
                 conn.send(("ok", None))
             else:
@@ -131,6 +164,7 @@ class _Worker:
             _lower(self.process.pid)
         child.close()
         self.tokenizers: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.idle_since = time.monotonic()
         if self.reply(SETUP_TIMEOUT_S) is None:
             self.kill()
             raise WorkerFailed("A tokenizer process did not start in time.")
@@ -165,12 +199,13 @@ class _Worker:
             if answer is not None:
                 return answer
 
-    def ensure_tokenizer(self, key: int, pickled: Callable[[], bytes]) -> None:
+    def ensure_tokenizer(self, key: int, pickled: Callable[[], bytes], keep: int) -> None:
+        """Make sure the process holds tokenizer `key`, keeping at most `keep` in all."""
         if key in self.tokenizers:
             self.tokenizers.move_to_end(key)
             return
         evict = []
-        while len(self.tokenizers) >= TOKENIZERS_PER_PROCESS:
+        while len(self.tokenizers) >= keep:
             evict.append(self.tokenizers.popitem(last=False)[0])
         self.conn.send(("tokenizer", key, pickled(), evict))
         answer = self.reply(SETUP_TIMEOUT_S)
@@ -186,23 +221,28 @@ class _Worker:
 
 
 class TokenizerProcesses:
-    """At most `processes` jobs at once, each in a process of its own; more wait their turn
-    (first come, first served: callers that need fairness queue before this). A job that needs
-    no tokenizer passes None for it."""
+    """At most `size.processes` jobs at once, each in a process of its own; more wait their
+    turn (first come, first served: callers that need fairness queue before this). A job that
+    needs no tokenizer passes None for it."""
 
-    def __init__(self, processes: int = PROCESSES) -> None:
+    def __init__(self, size: PoolSize | None = None) -> None:
+        self.size = size = size or PoolSize()
         self._context = multiprocessing.get_context("spawn")
-        self._threads = ThreadPoolExecutor(max_workers=processes, thread_name_prefix="orchard-tok")
+        self._threads = ThreadPoolExecutor(
+            max_workers=size.processes, thread_name_prefix="orchard-tok"
+        )
         self._idle: list[_Worker] = []
         self._keys: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
         self._pickled: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._next_key = itertools.count(1)
         self._lock = threading.Lock()
-        self._size = processes
+        self._size = size.processes
         self._num_workers = {False: 0, True: 0}  # by class (low): idle, working or warming
         self._warming = False
         self._running = 0
         self._closed = False
+        self._reaper: threading.Thread | None = None
+        self._closing = threading.Event()
 
     @property
     def num_running(self) -> int:
@@ -236,7 +276,7 @@ class TokenizerProcesses:
         pickled = functools.partial(self._pickle, key, tokenizer)
         worker = self._take(key, low)
         try:
-            worker.ensure_tokenizer(key, pickled)
+            worker.ensure_tokenizer(key, pickled, self.size.tokenizers)
             with self._counted():
                 worker.conn.send(("run", key, fn, args))
                 answer = worker.job_reply(timeout_s)
@@ -303,6 +343,7 @@ class TokenizerProcesses:
             if idle:
                 return self._idle.pop(idle[-1])
             self._num_workers[low] += 1
+            self._start_reaper()
         try:
             return _Worker(self._context, low)
         except BaseException:
@@ -314,9 +355,35 @@ class TokenizerProcesses:
         with self._lock:
             # One started beside the warm-up's may make one too many: it goes.
             if not self._closed and self._num_workers[worker.low] <= self._size:
+                worker.idle_since = time.monotonic()
                 self._idle.append(worker)
                 return
         self._discard(worker)
+
+    def _start_reaper(self) -> None:
+        """(Under the lock.) The thread that stops processes idle past `idle_s`."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(
+                target=self._reap_idle, name="orchard-tok-reaper", daemon=True
+            )
+            self._reaper.start()
+
+    def _reap_idle(self) -> None:
+        while not self._closing.wait(min(self.size.idle_s / 4, 15.0)):
+            for worker in self._stale(time.monotonic() - self.size.idle_s):
+                self._discard(worker)
+
+    def _stale(self, before: float) -> list[_Worker]:
+        """Take the idle processes whose last job ended `before`, but for the newest process
+        of the short jobs' class when it is the last of its class."""
+        with self._lock:
+            stale = [w for w in self._idle if w.idle_since < before]
+            short = [w for w in stale if not w.low]
+            if short and len(short) == self._num_workers[False]:
+                stale.remove(max(short, key=lambda w: w.idle_since))
+            for worker in stale:
+                self._idle.remove(worker)
+            return stale
 
     def _discard(self, worker: _Worker) -> None:
         worker.kill()
@@ -358,7 +425,7 @@ class TokenizerProcesses:
                 try:
                     if worker is None:
                         worker = _Worker(self._context)
-                    worker.ensure_tokenizer(key, pickled)
+                    worker.ensure_tokenizer(key, pickled, self.size.tokenizers)
                 except Exception:
                     logger.warning("could not warm a tokenizer process", exc_info=True)
                     if worker is not None:
@@ -374,6 +441,7 @@ class TokenizerProcesses:
 
     def close(self) -> None:
         """Stop the idle processes; a job still running stops its own when it ends."""
+        self._closing.set()
         with self._lock:
             self._closed, idle, self._idle = True, self._idle, []
         for worker in idle:

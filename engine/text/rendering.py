@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from jinja2 import TemplateError
 
 from engine.protocol import InvalidRequestError, PromptInput, PromptRoom, RenderedPrompt
-from engine.text.processes import PROCESSES, TokenizerProcesses
+from engine.text.processes import PoolSize, TokenizerProcesses
 from engine.text.templates import ERROR_TIMEOUT, apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -26,8 +26,8 @@ class PromptRenderer:
     """Renders prompts and encodes texts in tokenizer processes of its own, each job under a
     deadline: a job past it is stopped (its process killed) before the call raises."""
 
-    def __init__(self, processes: int = PROCESSES):
-        self.processes = TokenizerProcesses(processes)
+    def __init__(self, size: PoolSize | None = None):
+        self.processes = TokenizerProcesses(size)
 
     async def render(
         self,

@@ -32,6 +32,7 @@ from engine import EngineError, InvalidRequestError, TokenizerProcesses
 from inference.errors import APIError
 from inference.services import metrics
 from inference.services.admission import Intake
+from inference.services.engines import tokenizer_pool
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def _processes() -> TokenizerProcesses:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = TokenizerProcesses(settings.ORCHARD_PREPARE_WORKERS)
+            _pool = TokenizerProcesses(tokenizer_pool())
         return _pool
 
 

@@ -50,9 +50,7 @@ def get_engine_client() -> EngineClient:
         elif settings.ORCHARD_ENGINE == "local":
             from engine import LocalEngineClient
 
-            _client = LocalEngineClient(
-                engine_worker(), render_processes=settings.ORCHARD_PREPARE_WORKERS
-            )
+            _client = LocalEngineClient(engine_worker(), render=tokenizer_pool())
         else:
             raise ImproperlyConfigured(f"Unknown ORCHARD_ENGINE {settings.ORCHARD_ENGINE!r}.")
         # Stop with the web process: abort what is in flight and join the engine threads, so no
@@ -62,6 +60,17 @@ def get_engine_client() -> EngineClient:
         atexit.register(_client.close, 10)
         atexit.register(_stopping)  # registered last: runs first
     return _client
+
+
+def tokenizer_pool():
+    """The size of a pool of tokenizer processes (renders, tokenizing, preflight checks)."""
+    from engine import PoolSize
+
+    return PoolSize(
+        processes=settings.ORCHARD_PREPARE_WORKERS,
+        tokenizers=settings.ORCHARD_TOKENIZERS_PER_PROCESS,
+        idle_s=settings.ORCHARD_TOKENIZER_IDLE_SECONDS,
+    )
 
 
 def engine_worker():
@@ -99,6 +108,7 @@ def remote_client() -> EngineClient:
         heartbeat_s=settings.ORCHARD_WORKER_HEARTBEAT_SECONDS,
         timeout_s=settings.ORCHARD_WORKER_TIMEOUT_SECONDS,
         load_wait_s=settings.ORCHARD_MODEL_LOAD_WAIT_SECONDS,
+        render=tokenizer_pool(),
     )
 
 

@@ -24,6 +24,7 @@ from engine import (
     ModelInfo,
     ModelSpec,
     ModelUnavailableError,
+    PoolSize,
     PromptInput,
     PromptRenderer,
     PromptRoom,
@@ -53,12 +54,13 @@ class WorkerCalls:
         fleet: Fleet,
         replies: Replies,
         send: Callable[[str, dict], Awaitable[None]],
+        render: PoolSize | None = None,
     ):
         self.namespace = namespace
         self.fleet = fleet
         self.replies = replies
         self.send = send
-        self.renderer = PromptRenderer()
+        self.renderer = PromptRenderer(render)
         self._tokenizers: dict[tuple[str, int], Any] = {}
 
     async def call(self, worker: Worker, op: str, args: dict, timeout_s: float = CALL_TIMEOUT_S):

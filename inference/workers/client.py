@@ -33,6 +33,7 @@ from engine import (
     ModelSpec,
     ModelStatus,
     ModelUnavailableError,
+    PoolSize,
     PromptInput,
     PromptRoom,
     RenderedPrompt,
@@ -61,6 +62,7 @@ class RemoteEngineClient(EngineClient):
         timeout_s: float = 5.0,
         load_wait_s: float = 600.0,
         layer_factory=None,
+        render: PoolSize | None = None,
     ):
         from channels.layers import get_channel_layer
 
@@ -78,7 +80,11 @@ class RemoteEngineClient(EngineClient):
         )
         self.replies = Replies()
         self.calls = WorkerCalls(
-            namespace=namespace, fleet=self.fleet, replies=self.replies, send=self._send
+            namespace=namespace,
+            fleet=self.fleet,
+            replies=self.replies,
+            send=self._send,
+            render=render,
         )
         self._layer_factory = layer_factory or get_channel_layer
         self._layer = None

@@ -32,6 +32,7 @@ from engine import (
     GenerationRequest,
     ModelNotLoadedError,
     ModelSpec,
+    PoolSize,
     PromptInput,
     PromptRenderer,
     PromptRoom,
@@ -71,6 +72,7 @@ class EngineServer:
         timeout_s: float = 5.0,
         sync_s: float = 5.0,
         worker_id: str | None = None,
+        render: PoolSize | None = None,
     ):
         self.worker = worker
         self.layer = layer
@@ -84,7 +86,7 @@ class EngineServer:
             else (f"{safe_name(socket.gethostname())}-{os.getpid()}-{secrets.token_hex(3)}")
         )
         self.channel = worker_channel(namespace, self.worker_id)
-        self.renderer = PromptRenderer()
+        self.renderer = PromptRenderer(render)
         self.started_at = time.time()
         # This process's run: a worker restarted under the same id is another run, and a
         # request sent to an earlier run is not taken up by this one.

@@ -13,6 +13,7 @@ from engine.cache.host import MIN_CACHE_BYTES, HostMemory
 from engine.cache.memory import weights_bytes
 from engine.local import LocalEngineClient
 from engine.protocol import ModelCapacityError, ModelSpec
+from engine.text.processes import PoolSize
 from engine.worker import EngineWorker
 from tests.engine.conftest import eventually, greedy, make_request
 
@@ -29,7 +30,7 @@ async def client(tiny_llama):
     # Room for two models (caches and weights), not three.
     budget = 2 * (CACHE + weights_bytes(tiny_llama.model)) + 10 * MIB
     worker = EngineWorker(loader=lambda spec: tiny_llama, memory=HostMemory(budget))
-    client = LocalEngineClient(worker, render_processes=1)
+    client = LocalEngineClient(worker, render=PoolSize(processes=1))
     yield client
     await client.shutdown()
 
@@ -147,7 +148,7 @@ async def test_the_granted_caches_budget_reaches_the_engine(tiny_llama):
     worker = EngineWorker(
         loader=lambda spec: tiny_llama, memory=HostMemory(1000 * MIB, cache_share=0.3)
     )
-    client = LocalEngineClient(worker, render_processes=1)
+    client = LocalEngineClient(worker, render=PoolSize(processes=1))
     try:
         await client.ensure_model(ModelSpec(name="a", path="unused"))
         engine = worker.get("a")

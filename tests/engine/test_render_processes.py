@@ -15,7 +15,7 @@ import pytest
 
 from engine.models.loader import load_tokenizer
 from engine.protocol import InvalidRequestError, PromptInput
-from engine.text.processes import LOW_WALL_FACTOR, _cpu_seconds
+from engine.text.processes import LOW_WALL_FACTOR, PoolSize, _cpu_seconds
 from engine.text.rendering import LONG_INPUT_CHARS, PromptRenderer, render
 from tests.fixtures.tiny_models import tokenizer_dir
 
@@ -29,7 +29,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def renderer():
-    renderer = PromptRenderer(processes=2)
+    renderer = PromptRenderer(PoolSize(processes=2))
     yield renderer
     renderer.close()
 
@@ -173,3 +173,52 @@ def test_an_idle_class_deadline_counts_the_processes_cpu_time():
         process.kill()
         process.wait()
     assert _cpu_seconds(process.pid) is None
+
+
+def eventually(predicate, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("the condition did not hold in time")
+        time.sleep(0.05)
+
+
+async def test_idle_processes_stop_but_the_last_of_the_short_jobs(tokenizer):
+    """A pool left alone gives its memory back: every process idle past `idle_s` stops, the
+    long inputs' too, but for one that keeps the short jobs warm; the next job warms it again."""
+    renderer = PromptRenderer(PoolSize(processes=2, idle_s=1.0))
+    try:
+        backend = tokenizer._tokenizer.backend_tokenizer
+        await renderer.encode(backend, ["warm"])
+        warm = warmed(renderer)
+        text = "The quick brown fox jumps over the lazy dog. " * (LONG_INPUT_CHARS // 45 + 1)
+        assert await renderer.encode(backend, [text]) == [backend.encode(text).ids]
+        (low,) = set(renderer.processes.pids) - set(warm)
+        eventually(lambda: len(renderer.processes.pids) == 1)
+        (kept,) = renderer.processes.pids
+        assert kept in warm and not idle_class(kept)
+        assert not any(alive(pid) for pid in {*warm, low} - {kept})
+        await asyncio.sleep(1.5)  # the last one stays however long the pool is idle
+        assert renderer.processes.pids == [kept]
+        assert await renderer.encode(backend, ["Stocks fell."]) == [
+            backend.encode("Stocks fell.").ids
+        ]
+        assert kept in warmed(renderer)
+    finally:
+        renderer.close()
+
+
+async def test_a_process_keeps_at_most_its_tokenizers(tokenizer):
+    """Each process holds the last `tokenizers` it was sent, so a web process serving many
+    models does not hold every tokenizer in every process; an evicted one is sent again."""
+    other = load_tokenizer(tokenizer_dir("llama3_1"))[0]
+    renderer = PromptRenderer(PoolSize(processes=1, tokenizers=1))
+    try:
+        text = PromptInput(text="The orchard in spring")
+        for each in (tokenizer, other, tokenizer):
+            assert await renderer.render(each, text) == render(each, text)
+            (worker,) = renderer.processes._idle
+            assert len(worker.tokenizers) == 1
+        assert renderer.processes.pids == [worker.pid]  # one process, its tokenizers replaced
+    finally:
+        renderer.close()

@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
 from common import heap
-from inference.services.engines import enabled_specs, engine_worker
+from inference.services.engines import enabled_specs, engine_worker, tokenizer_pool
 from inference.workers.beats import BeatStore
 from inference.workers.server import EngineServer
 
@@ -73,6 +73,7 @@ class Command(BaseCommand):
             timeout_s=settings.ORCHARD_WORKER_TIMEOUT_SECONDS,
             sync_s=settings.ORCHARD_WORKER_SYNC_SECONDS,
             worker_id=worker_id,
+            render=tokenizer_pool(),
         )
         self.stdout.write(f"engine worker {server.worker_id} starting", ending="\n")
         self.stdout.flush()

@@ -13,7 +13,7 @@ import pytest
 from django.test import RequestFactory
 
 import inference.api.bodies
-from engine import TokenizerProcesses
+from engine import PoolSize, TokenizerProcesses
 from engine.text.processes import WorkerFailed
 from inference.api import preflight
 from inference.api.chat import chat_call
@@ -97,7 +97,7 @@ def parsed_here(monkeypatch):
 @pytest.fixture
 def processes(monkeypatch, settings):
     settings.ORCHARD_PREFLIGHT_TIMEOUT_SECONDS = 30  # however busy the machine
-    pool = TokenizerProcesses(1)
+    pool = TokenizerProcesses(PoolSize(processes=1))
     monkeypatch.setattr(preflight, "_processes", lambda: pool)
     yield pool
     pool.close()
@@ -141,7 +141,7 @@ async def test_a_new_preflight_process_sets_django_up_outside_the_checks_budget(
 ):
     # The default budget (0.5 s of CPU) is less than Django's setup: charged to the first
     # check, every check of a new process would fall back to the web process's read.
-    pool = TokenizerProcesses(1)
+    pool = TokenizerProcesses(PoolSize(processes=1))
     monkeypatch.setattr(preflight, "_processes", lambda: pool)
     try:
         with pytest.raises(APIError) as caught:

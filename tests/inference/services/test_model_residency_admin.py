@@ -10,6 +10,7 @@ from django.test import Client
 
 from engine.cache.host import HostMemory, files_bytes
 from engine.local import LocalEngineClient
+from engine.text.processes import PoolSize
 from engine.worker import EngineWorker
 from inference.models import ModelEntry
 from inference.services import engines
@@ -22,7 +23,7 @@ MIB = 1 << 20
 def budget_client(monkeypatch, tiny_model_path):
     """An in-process engine whose budget holds one tiny model, not two."""
     worker = EngineWorker(memory=HostMemory(files_bytes(tiny_model_path) + 400 * MIB))
-    client = LocalEngineClient(worker, render_processes=1)
+    client = LocalEngineClient(worker, render=PoolSize(processes=1))
     monkeypatch.setattr(engines, "_client", client)
     yield client
     worker.shutdown(10)
