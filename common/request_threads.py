@@ -117,4 +117,7 @@ def detach(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
     task = asyncio.get_running_loop().create_task(in_own_thread(coroutine, close_connections=True))
     _detached.add(task)
     task.add_done_callback(_detached.discard)
+    # A task cancelled before its first step (its loop stopping) never awaits `coroutine`:
+    # closed here, it ends without "was never awaited" (closing a finished one does nothing).
+    task.add_done_callback(lambda _: coroutine.close())
     return task

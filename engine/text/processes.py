@@ -375,8 +375,10 @@ class TokenizerProcesses:
 
     def _stale(self, before: float) -> list[_Worker]:
         """Take the idle processes whose last job ended `before`, but for the newest process
-        of the short jobs' class when it is the last of its class."""
+        of the short jobs' class when it is the last of its class (none while the pool warms)."""
         with self._lock:
+            if self._warming:
+                return []
             stale = [w for w in self._idle if w.idle_since < before]
             short = [w for w in stale if not w.low]
             if short and len(short) == self._num_workers[False]:
@@ -438,6 +440,12 @@ class TokenizerProcesses:
         finally:
             with self._lock:
                 self._warming = False
+                # The warm-up is the pool's use (a job began it): its processes' idle time
+                # starts now, the job's own process's included.
+                now = time.monotonic()
+                for worker in self._idle:
+                    if not worker.low:
+                        worker.idle_since = max(worker.idle_since, now)
 
     def close(self) -> None:
         """Stop the idle processes; a job still running stops its own when it ends."""

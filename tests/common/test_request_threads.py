@@ -1,6 +1,8 @@
 """Pooled sync threads for requests, and tasks that outlive their request."""
 
 import asyncio
+import gc
+import sys
 import threading
 import time
 
@@ -117,3 +119,25 @@ async def test_detached_work_closes_its_threads_expired_connections(monkeypatch)
             break
         await asyncio.sleep(0.01)
     assert wrappers[0].connection is None
+
+
+async def test_detached_work_cancelled_before_it_starts_is_closed_not_left_unawaited():
+    """A task cancelled before its first step (its loop stopping right after the detach, at a
+    server's shutdown or a test's end) never runs the work it wraps: that work is closed, not
+    left for the garbage collector to warn that it "was never awaited"."""
+    started = []
+
+    async def late_work():
+        started.append(True)
+
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        task = detach(late_work())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert started == [] and unraisable == []
