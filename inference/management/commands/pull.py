@@ -1,4 +1,9 @@
+import contextlib
+import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 
 from django.core.management.base import BaseCommand, CommandError
 
@@ -15,6 +20,8 @@ from inference.services.pulls.run import MESSAGE_INTERRUPTED
 
 BAR_WIDTH = 24
 REDRAW_S = 0.2
+# How often Ctrl-C is handed to the main thread again until it has raised KeyboardInterrupt.
+CTRL_C_RETRY_S = 0.2
 
 
 class Command(BaseCommand):
@@ -57,7 +64,8 @@ class Command(BaseCommand):
             self.stderr.write(f"Resuming pull #{pull.pk} ({pull}).")
         bar = ProgressBar(self.stderr)
         try:
-            pull = run_pull(pull, runner=runner, on_change=bar.show)
+            with ctrl_c_reaches_the_main_thread():
+                pull = run_pull(pull, runner=runner, on_change=bar.show)
         except KeyboardInterrupt:
             raise CommandError(MESSAGE_INTERRUPTED) from None
         finally:
@@ -74,6 +82,55 @@ class Command(BaseCommand):
             f"Registered {entry.name} ({entry.kind}, {how}): {pull.source}@{pull.commit[:12]} "
             f"in {entry.path} ({format_bytes(entry.size_on_disk_bytes or 0)})"
         )
+
+
+@contextlib.contextmanager
+def ctrl_c_reaches_the_main_thread() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in the main thread even when it is blocked in a read.
+
+    Python's C-level SIGINT handler only sets a flag, which the main thread checks between
+    bytecodes and when a blocking call returns EINTR. A SIGINT that arrives after the main
+    thread's last check but before it blocks in poll() (a window a loaded machine stretches)
+    interrupts nothing, and KeyboardInterrupt waits for the read: on a stalled download, the
+    hub's timeout. The C handler also writes the signal to the wakeup fd, whatever the timing,
+    so a thread reading it sends SIGINT to the main thread again until KeyboardInterrupt has
+    been raised. It is raised once: a second Ctrl-C does not break the pull's marking as
+    interrupted."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield  # not the main thread, or SIGINT handled otherwise (ignored stays ignored)
+        return
+    raised, done = threading.Event(), threading.Event()
+    main = threading.main_thread().ident
+
+    def on_sigint(signum, frame):
+        if not raised.is_set():
+            raised.set()
+            raise KeyboardInterrupt
+
+    def watch(fd: int) -> None:
+        while data := os.read(fd, 64):
+            if signal.SIGINT in data:
+                while not raised.wait(CTRL_C_RETRY_S) and not done.is_set():
+                    signal.pthread_kill(main, signal.SIGINT)
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    watcher = threading.Thread(target=watch, args=(read_fd,), name="pull-ctrl-c", daemon=True)
+    watcher.start()
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous_fd)
+        os.close(write_fd)  # the watcher's read returns b"": it ends
+        watcher.join()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.close(read_fd)
 
 
 class ProgressBar:

@@ -3,9 +3,12 @@ size; conversion and quantization; each failure a one-line error with a non-zero
 nothing registered or left on disk; and a pull killed mid-download resumed by the next one with
 a Range request, ending with the hub's very bytes."""
 
+import ctypes
 import datetime
 import json
+import os
 import signal
+import sys
 from io import StringIO
 
 import pytest
@@ -177,8 +180,27 @@ def test_a_killed_pull_is_resumed_by_the_next_with_a_range_request(
     assert not any(name.startswith(".pulls/") for name in leftovers(models_dir))
 
 
+def to_a_thread_not_main(pid: int, signum: int) -> None:
+    """Send `signum` to a thread of process `pid` other than its main thread (Linux's tgkill):
+    Python's C handler runs there and only sets a flag, as when a Ctrl-C lands after the main
+    thread's last check for signals but before it blocks in a read."""
+    tid = next(int(t) for t in sorted(os.listdir(f"/proc/{pid}/task")) if int(t) != pid)
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, signum) == 0
+
+
+@pytest.mark.parametrize(
+    "interrupt",
+    [
+        pytest.param(lambda process: process.send_signal(signal.SIGINT), id="ctrl-c"),
+        pytest.param(
+            lambda process: to_a_thread_not_main(process.pid, signal.SIGINT),
+            id="ctrl-c-while-the-main-thread-blocks",
+            marks=pytest.mark.skipif(sys.platform != "linux", reason="Linux's tgkill"),
+        ),
+    ],
+)
 def test_ctrl_c_stops_a_pull_and_keeps_its_partial_download(
-    transactional_db, local_hub, models_dir
+    transactional_db, local_hub, models_dir, interrupt
 ):
     env = {**shell_env(local_hub, models_dir), "HF_HUB_DOWNLOAD_TIMEOUT": "300"}
     stall = local_hub.stall_once(MLX_REPO, "model.safetensors", 15 << 20)
@@ -186,7 +208,7 @@ def test_ctrl_c_stops_a_pull_and_keeps_its_partial_download(
     try:
         assert stall.reached.wait(120)
         wait_for(lambda: pull_row(name="interrupted").done_bytes >= 10 << 20, what="progress")
-        process.send_signal(signal.SIGINT)
+        interrupt(process)
         _, err = process.communicate(timeout=60)
     finally:
         stall.released.set()
