@@ -24,12 +24,12 @@ for the night gives its memory back to the models.
 
 All processes run below the engine by nice. A job its caller marks `low` (one whose input is
 large, so its work is long) runs in processes of their own in Linux's idle scheduling class
-(`_lower`): a flood of one team's long renders then takes only the CPU the engine leaves, and
-never waits for, or holds, a process that the short jobs of everyone else use. Short jobs stay
-in the other class: an idle-class task gets almost no CPU while the engine keeps the cores
-busy, and a short render must not wait for that. So an idle-class job's deadline counts its
-process's CPU time (a job starved of CPU is slow, not runaway; LOW_WALL_FACTOR bounds its wall
-time). Warm-up is for the short jobs' processes.
+(process_worker.lower): a flood of one team's long renders then takes only the CPU the engine
+leaves, and never waits for, or holds, a process that the short jobs of everyone else use.
+Short jobs stay in the other class: an idle-class task gets almost no CPU while the engine keeps
+the cores busy, and a short render must not wait for that. So an idle-class job's deadline
+counts its process's CPU time (a job starved of CPU is slow, not runaway; LOW_WALL_FACTOR bounds
+its wall time). Warm-up is for the short jobs' processes.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import functools
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import threading
 import time
@@ -50,14 +49,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.protocol import EngineError, InvalidRequestError
+from engine.protocol import InvalidRequestError
+from engine.text.process_worker import TokenizerWorker, WorkerFailed
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 PROCESSES = 4
-NICENESS = 10
 TOKENIZERS_PER_PROCESS = 4
 IDLE_S = 300.0
 # Tokenizers the parent knows by key (a key is never reused for another tokenizer).
@@ -65,16 +64,6 @@ KNOWN_TOKENIZERS = 32
 # Pickled tokenizers kept to send to the next process that needs one: pickling holds the GIL
 # (~0.4 s for Qwen3's), so each tokenizer is pickled once, not once per process.
 PICKLED_TOKENIZERS = 4
-# A process's start (imports) and a tokenizer's arrival; neither counts against a job.
-SETUP_TIMEOUT_S = 120.0
-# An idle-class job's deadline is CPU time, and this many times as long in wall time.
-LOW_WALL_FACTOR = 6
-LOW_WALL_MIN_S = 5.0
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-class WorkerFailed(EngineError):
-    """A tokenizer process failed in a way that is not the request's fault."""
 
 
 @dataclass(frozen=True)
@@ -92,134 +81,6 @@ class PoolSize:
             raise ValueError(f"a pool needs a process, a tokenizer and an idle time: {self}")
 
 
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc keeps what a dropped
-    tokenizer's Rust and Python objects freed; elsewhere this does nothing)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)
-
-
-def _serve(conn) -> None:
-    """A worker process: tokenizers in, jobs run, results (or the error) out."""
-    tokenizers: collections.OrderedDict[int, Any] = collections.OrderedDict()
-    with contextlib.suppress(OSError):
-        # Below the engine and the web threads (SCHED_IDLE where there is one: _lower): a flood
-        # of long renders takes the CPU the decode steps leave, not theirs.
-        os.nice(NICENESS)
-    conn.send(("ready",))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            if message[0] == "tokenizer":
-                _, key, blob, evict = message
-                for old in evict:
-                    tokenizers.pop(old, None)
-                if evict:
-                    _trim_heap()
-                tokenizers[key] = pickle.loads(blob)
-                conn.send(("ok", None))
-            else:
-                _, key, fn, args = message
-                conn.send(("ok", fn(tokenizers[key], *args)))
-        except InvalidRequestError as exc:
-            conn.send(("invalid", str(exc), exc.param, exc.code))
-        except Exception as exc:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
-def _cpu_seconds(pid: int | None) -> float | None:
-    """The CPU time a process has used (Linux's /proc), or None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
-
-
-def _lower(pid: int) -> None:
-    """Linux's idle scheduling class for a process of long jobs, from its start (its imports
-    included). Measured here on 2 cores: two busy processes at nice 19 made a chat's first token
-    3.3x slower (MLX's CPU kernels wait for their every thread, so a kernel thread delayed by
-    a nice process stalls the step), two at SCHED_IDLE 1.3x: a task of that class never
-    delays one that wakes."""
-    with contextlib.suppress(OSError, AttributeError):  # no SCHED_IDLE (macOS): nice alone
-        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-
-
-class _Worker:
-    def __init__(self, context, low: bool = False) -> None:
-        self.low = low
-        self.conn, child = context.Pipe()
-        self.process = context.Process(
-            target=_serve, args=(child,), daemon=True, name="orchard-tokenizer"
-        )
-        self.process.start()
-        if low:
-            _lower(self.process.pid)
-        child.close()
-        self.tokenizers: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.idle_since = time.monotonic()
-        if self.reply(SETUP_TIMEOUT_S) is None:
-            self.kill()
-            raise WorkerFailed("A tokenizer process did not start in time.")
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    def reply(self, timeout_s: float | None) -> tuple | None:
-        """The next message from the process; None if none came within `timeout_s`."""
-        if not self.conn.poll(timeout_s):
-            return None
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):
-            raise WorkerFailed("A tokenizer process ended unexpectedly.") from None
-
-    def job_reply(self, timeout_s: float | None) -> tuple | None:
-        """A job's answer; None once the job is past `timeout_s`. In the idle class that is
-        `timeout_s` of the process's CPU time (a job a busy engine leaves no CPU is slow, not
-        long), and at most LOW_WALL_FACTOR times as long in all (LOW_WALL_MIN_S at least)."""
-        start = _cpu_seconds(self.pid) if self.low and timeout_s is not None else None
-        if start is None:
-            return self.reply(timeout_s)
-        deadline = time.monotonic() + max(timeout_s * LOW_WALL_FACTOR, LOW_WALL_MIN_S)
-        while True:
-            used = _cpu_seconds(self.pid)
-            left = min(timeout_s - (used - start if used is not None else 0.0), 0.25)
-            if left <= 0 or time.monotonic() >= deadline:
-                return None
-            answer = self.reply(left)
-            if answer is not None:
-                return answer
-
-    def ensure_tokenizer(self, key: int, pickled: Callable[[], bytes], keep: int) -> None:
-        """Make sure the process holds tokenizer `key`, keeping at most `keep` in all."""
-        if key in self.tokenizers:
-            self.tokenizers.move_to_end(key)
-            return
-        evict = []
-        while len(self.tokenizers) >= keep:
-            evict.append(self.tokenizers.popitem(last=False)[0])
-        self.conn.send(("tokenizer", key, pickled(), evict))
-        answer = self.reply(SETUP_TIMEOUT_S)
-        if answer is None or answer[0] != "ok":
-            raise WorkerFailed(f"A tokenizer could not be sent to its process: {answer}")
-        self.tokenizers[key] = None
-
-    def kill(self) -> None:
-        """Stop the process and wait until it is gone."""
-        self.process.kill()
-        self.process.join()
-        self.conn.close()
-
-
 class TokenizerProcesses:
     """At most `size.processes` jobs at once, each in a process of its own; more wait their
     turn (first come, first served: callers that need fairness queue before this). A job that
@@ -231,12 +92,11 @@ class TokenizerProcesses:
         self._threads = ThreadPoolExecutor(
             max_workers=size.processes, thread_name_prefix="orchard-tok"
         )
-        self._idle: list[_Worker] = []
+        self._idle: list[TokenizerWorker] = []
         self._keys: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
         self._pickled: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._next_key = itertools.count(1)
         self._lock = threading.Lock()
-        self._size = size.processes
         self._num_workers = {False: 0, True: 0}  # by class (low): idle, working or warming
         self._warming = False
         self._running = 0
@@ -330,7 +190,7 @@ class TokenizerProcesses:
                 self._pickled.popitem(last=False)
         return blob
 
-    def _take(self, key: int, low: bool = False) -> _Worker:
+    def _take(self, key: int, low: bool = False) -> TokenizerWorker:
         """An idle process of the class, one that has the tokenizer `key` if there is one;
         else a new one."""
         with self._lock:
@@ -345,16 +205,16 @@ class TokenizerProcesses:
             self._num_workers[low] += 1
             self._start_reaper()
         try:
-            return _Worker(self._context, low)
+            return TokenizerWorker(self._context, low)
         except BaseException:
             with self._lock:
                 self._num_workers[low] -= 1
             raise
 
-    def _put(self, worker: _Worker) -> None:
+    def _put(self, worker: TokenizerWorker) -> None:
         with self._lock:
             # One started beside the warm-up's may make one too many: it goes.
-            if not self._closed and self._num_workers[worker.low] <= self._size:
+            if not self._closed and self._num_workers[worker.low] <= self.size.processes:
                 worker.idle_since = time.monotonic()
                 self._idle.append(worker)
                 return
@@ -373,7 +233,7 @@ class TokenizerProcesses:
             for worker in self._stale(time.monotonic() - self.size.idle_s):
                 self._discard(worker)
 
-    def _stale(self, before: float) -> list[_Worker]:
+    def _stale(self, before: float) -> list[TokenizerWorker]:
         """Take the idle processes whose last job ended `before`, but for the newest process
         of the short jobs' class when it is the last of its class (none while the pool warms)."""
         with self._lock:
@@ -387,7 +247,7 @@ class TokenizerProcesses:
                 self._idle.remove(worker)
             return stale
 
-    def _discard(self, worker: _Worker) -> None:
+    def _discard(self, worker: TokenizerWorker) -> None:
         worker.kill()
         with self._lock:
             self._num_workers[worker.low] -= 1
@@ -401,7 +261,7 @@ class TokenizerProcesses:
             if self._warming or self._closed:
                 return
             cold = any(key not in w.tokenizers for w in self._idle if not w.low)
-            if self._num_workers[False] >= self._size and not cold:
+            if self._num_workers[False] >= self.size.processes and not cold:
                 return
             self._warming = True
         threading.Thread(
@@ -419,14 +279,14 @@ class TokenizerProcesses:
                     )
                     if cold is not None:
                         self._idle.remove(cold)
-                    elif self._num_workers[False] < self._size:
+                    elif self._num_workers[False] < self.size.processes:
                         self._num_workers[False] += 1
                     else:
                         return
                 worker = cold
                 try:
                     if worker is None:
-                        worker = _Worker(self._context)
+                        worker = TokenizerWorker(self._context)
                     worker.ensure_tokenizer(key, pickled, self.size.tokenizers)
                 except Exception:
                     logger.warning("could not warm a tokenizer process", exc_info=True)

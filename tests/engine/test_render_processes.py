@@ -15,7 +15,8 @@ import pytest
 
 from engine.models.loader import load_tokenizer
 from engine.protocol import InvalidRequestError, PromptInput
-from engine.text.processes import LOW_WALL_FACTOR, PoolSize, _cpu_seconds
+from engine.text.process_worker import LOW_WALL_FACTOR, cpu_seconds
+from engine.text.processes import PoolSize
 from engine.text.rendering import LONG_INPUT_CHARS, PromptRenderer, render
 from tests.fixtures.tiny_models import tokenizer_dir
 
@@ -163,16 +164,16 @@ def test_an_idle_class_deadline_counts_the_processes_cpu_time():
     process = subprocess.Popen([sys.executable, "-c", burn + "input()"], stdin=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
-        while (_cpu_seconds(process.pid) or 0) < 0.3 and time.monotonic() < deadline:
+        while (cpu_seconds(process.pid) or 0) < 0.3 and time.monotonic() < deadline:
             time.sleep(0.02)
-        used = _cpu_seconds(process.pid)
+        used = cpu_seconds(process.pid)
         assert used is not None and used >= 0.3
         time.sleep(0.3)  # waiting for input: no CPU, however long in wall time
-        assert _cpu_seconds(process.pid) - used < 0.1
+        assert cpu_seconds(process.pid) - used < 0.1
     finally:
         process.kill()
         process.wait()
-    assert _cpu_seconds(process.pid) is None
+    assert cpu_seconds(process.pid) is None
 
 
 def eventually(predicate, seconds: float = 30.0) -> None:

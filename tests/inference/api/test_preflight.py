@@ -14,7 +14,7 @@ from django.test import RequestFactory
 
 import inference.api.bodies
 from engine import PoolSize, TokenizerProcesses
-from engine.text.processes import WorkerFailed
+from engine.text.process_worker import WorkerFailed
 from inference.api import preflight
 from inference.api.chat import chat_call
 from inference.api.common import read_body_in
