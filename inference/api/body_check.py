@@ -1,5 +1,5 @@
 """What a preflight process runs (inference/api/preflight.py): a body read and checked as
-its endpoint reads it, here only to learn whether it is refused.
+its endpoint reads it; the error it is refused with, or the checked data it comes to.
 
 Imported by a bare spawned process before Django is set up, so nothing at the top but the
 standard library; Django starts when the process is sent `DJANGO`.
@@ -30,16 +30,19 @@ def _set_up() -> Django:
 DJANGO = Django()
 
 
-def check_body(_django: Django, body: bytes, serializer: str, build: str | None) -> Any:
-    """The APIError `read_body` raises for `body` (its status, message, param, code and type),
-    or None when it is accepted. `serializer` and `build` are dotted paths."""
+def check_body(_django: Django, body: bytes, serializer: str, build: str | None) -> tuple[str, Any]:
+    """("refused", the status, message, param, code and type of the APIError `read_body`
+    raises for `body`) or ("accepted", the serializer's validated data). `serializer` and
+    `build` are dotted paths."""
     from django.utils.module_loading import import_string
 
     from inference.api.bodies import check_body_bytes
     from inference.errors import APIError
 
     try:
-        check_body_bytes(body, import_string(serializer), import_string(build) if build else None)
+        data, _ = check_body_bytes(
+            body, import_string(serializer), import_string(build) if build else None
+        )
     except APIError as exc:
-        return (exc.status, exc.message, exc.param, exc.code, exc.type)
-    return None
+        return "refused", (exc.status, exc.message, exc.param, exc.code, exc.type)
+    return "accepted", data

@@ -78,12 +78,15 @@ async def read_body_in(
     *,
     preflight_build: Callable[[dict[str, Any]], Any] | None = None,
 ) -> tuple[dict[str, Any], T | None]:
-    """`read_body` as a job of the intake's team; a large body is checked in a preflight
-    process first (inference/api/preflight.py), with `preflight_build` in place of
-    `build` where that needs more than the body (the database)."""
+    """`read_body` as a job of the intake's team; a large body is read and checked in a
+    preflight process instead (inference/api/preflight.py), with `preflight_build` in place
+    of `build` there where that needs more than the body (the database), and only built
+    here."""
     body = request_body(request)
     if preflight.needed(body):
-        await preflight.preflight(intake, body, serializer_class, preflight_build or build)
+        data = await preflight.preflight(intake, body, serializer_class, preflight_build or build)
+        if data is not None:
+            return data, None if build is None else await intake.in_thread(build, data)
     return await intake.in_thread(read_body, request, serializer_class, build)
 
 

@@ -7,9 +7,11 @@ that the checks then refuse bought nothing for that time, and a team can send on
 another. So a body of ORCHARD_PREFLIGHT_BYTES or more is read and checked first in a process
 of this pool (in Linux's idle scheduling class, like the tokenizer processes' long jobs), as a
 job of its team on the fair preparation gate: a body the checks refuse is answered with their error
-without the web process ever parsing it. A body they accept is then read here as any other
-(the same check again, so nothing differs between the two): parsing twice costs a large valid
-body some milliseconds, the price of never letting a refused one hold everyone's lock.
+without the web process ever parsing it. A body they accept comes back as the serializer's
+checked data, which the web process only builds its call from: unpickling it is a fraction of
+parsing and validating the body again (a 1 MB message: 0.1 ms against 5.5 ms of the lock,
+measured here), and a flood of long prompts would otherwise take that lock in turns with every
+team's requests (bench/isolation.py's renders).
 
 A process that fails, or a check past ORCHARD_PREFLIGHT_TIMEOUT_SECONDS of its CPU time (or six
 times as long in all: a machine too busy to give an idle-class process time), lets the body
@@ -66,15 +68,16 @@ async def preflight(
     body: bytes,
     serializer_class: type[serializers.Serializer],
     build: Callable[[dict[str, Any]], Any] | None,
-) -> None:
-    """Raise the APIError the endpoint's read of `body` would raise, found in a process."""
+) -> dict[str, Any] | None:
+    """Raise the APIError the endpoint's read of `body` would raise, found in a process; or
+    return the serializer's validated data. None: not checked (the web process reads it)."""
     from inference.api.body_check import DJANGO, check_body
 
     args = (body, _path(serializer_class), _path(build) if build is not None else None)
     seconds = settings.ORCHARD_PREFLIGHT_TIMEOUT_SECONDS
     timeout = InvalidRequestError(ERROR_TIMEOUT.format(seconds=seconds))
     try:
-        refusal = await intake.prepare(
+        verdict, found = await intake.prepare(
             lambda: _processes().run(
                 DJANGO,
                 check_body,
@@ -87,10 +90,10 @@ async def preflight(
     except (EngineError, InvalidRequestError) as exc:
         logger.warning("preflight of a %d-byte body failed (%s); reading it here", len(body), exc)
         metrics.PREFLIGHTS.labels("failed").inc()
-        return
-    if refusal is None:
+        return None
+    if verdict == "accepted":
         metrics.PREFLIGHTS.labels("accepted").inc()
-        return
+        return found
     metrics.PREFLIGHTS.labels("refused").inc()
-    status, message, param, code, kind = refusal
+    status, message, param, code, kind = found
     raise APIError(status, message, param=param, code=code, type=kind)

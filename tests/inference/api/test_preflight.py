@@ -1,7 +1,8 @@
 """Large bodies are checked in a preflight process first (inference/api/preflight.py): one the
 checks refuse gets the endpoint's own error, in its own shape, without the web process parsing
 it (a team's 600 KB schemas must not hold the interpreter every team's requests need); one they
-accept is read as before; a preflight that fails costs nothing but the detour."""
+accept comes back checked, and the web process only builds its call from it; a preflight that
+fails costs nothing but the detour."""
 
 import asyncio
 import json
@@ -126,13 +127,21 @@ async def test_a_refused_body_is_never_parsed_by_the_web_process(processes, pars
             json.dumps(huge).encode(), ChatCompletionSerializer, chat_call
         )
     assert (here.value.message, here.value.param) == (caught.value.message, caught.value.param)
-    # A large body the checks accept is read here once; a small one skips the preflight.
+    # A large body the checks accept is not parsed here either: its checked data comes back
+    # and only the call is built here (the same data and call as the web process's own read).
     parsed_here.clear()
-    long = [{"role": "user", "content": "a" * 300_000}]
-    _, call = await read({"model": TINY, "messages": long})
-    assert call.model == TINY and len(parsed_here) == 1 and parsed_here[0] > 300_000
+    long = {"model": TINY, "messages": [{"role": "user", "content": "a\u00e9" * 150_000}]}
+    data, call = await read(long)
+    assert parsed_here == []
+    here, call_here = inference.api.bodies.check_body_bytes(
+        json.dumps(long).encode(), ChatCompletionSerializer, chat_call
+    )
+    assert data == here and call == call_here
+    assert call.model == TINY and data["messages"][0]["content"] == "a\u00e9" * 150_000
+    # A small one skips the preflight and is read here.
+    parsed_here.clear()
     await read({"model": TINY, "messages": MESSAGES})
-    assert len(parsed_here) == 2
+    assert len(parsed_here) == 1 and parsed_here[0] < 1000
 
 
 @pytest.mark.django_db
