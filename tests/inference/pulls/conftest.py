@@ -2,6 +2,7 @@
 folder per test, and `manage.py pull` as a real process sharing the test database."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ def shell_env(hub, models_dir: Path) -> dict[str, str]:
     env = server_env()
     env.pop("HF_TOKEN", None)
     env.update(ORCHARD_HOME=str(models_dir.parent), HF_ENDPOINT=hub.url, HF_TOKEN_PATH=os.devnull)
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT prints every thread's stack (`finish`)
     return env
 
 
@@ -46,6 +48,19 @@ def start_pull(env: dict[str, str], *args: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def finish(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """`process.communicate(timeout)`; a process still running then is aborted, and the
+    failure shows where each of its threads was (its faulthandler's dump on stderr)."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        _, err = process.communicate(timeout=30)
+        raise AssertionError(
+            f"the pull was still running after {timeout:g} s; its stacks:\n{err[-6000:]}"
+        ) from None
 
 
 def wait_for(check, timeout: float = 60.0, what: str = "the condition"):

@@ -29,7 +29,7 @@ from tests.fixtures.hub import (
     MLX_REPO,
     ODD_REPO,
 )
-from tests.inference.pulls.conftest import pull_row, shell_env, start_pull, wait_for
+from tests.inference.pulls.conftest import finish, pull_row, shell_env, start_pull, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -209,7 +209,7 @@ def test_ctrl_c_stops_a_pull_and_keeps_its_partial_download(
         assert stall.reached.wait(120)
         wait_for(lambda: pull_row(name="interrupted").done_bytes >= 10 << 20, what="progress")
         interrupt(process)
-        _, err = process.communicate(timeout=60)
+        _, err = finish(process, timeout=60)
     finally:
         stall.released.set()
     assert process.returncode == 1
