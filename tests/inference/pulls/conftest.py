@@ -57,7 +57,11 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
         return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGABRT)
-        _, err = process.communicate(timeout=30)
+        try:
+            _, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # not even the abort ended it
+            process.kill()
+            _, err = process.communicate()
         raise AssertionError(
             f"the pull was still running after {timeout:g} s; its stacks:\n{err[-6000:]}"
         ) from None

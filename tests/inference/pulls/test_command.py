@@ -195,7 +195,9 @@ def to_a_thread_not_main(pid: int, signum: int) -> None:
         pytest.param(
             lambda process: to_a_thread_not_main(process.pid, signal.SIGINT),
             id="ctrl-c-while-the-main-thread-blocks",
-            marks=pytest.mark.skipif(sys.platform != "linux", reason="Linux's tgkill"),
+            marks=pytest.mark.skipif(
+                sys.platform != "linux", reason="signals one thread with tgkill, a Linux call"
+            ),
         ),
     ],
 )
