@@ -34,12 +34,13 @@ from engine.protocol import (
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_SEQUENCES = 64
-# Padded tokens in one forward: ~0.25 s of all-MiniLM-L6-v2 on 2 CPU cores, about as fast per
-# token as 8192 (4 s a forward), so a chat engine sharing the machine waits a quarter of a
-# second, not four, behind another team's flood of embeddings.
+# Padded tokens in one forward: ~0.12 s of all-MiniLM-L6-v2 on 2 CPU cores (4 rows of 128,
+# engine/kernels' GELU and attention), about as fast per token as 8192, so a chat engine sharing
+# the machine waits a tenth of a second, not seconds, behind another team's flood of embeddings.
 MAX_BATCH_TOKENS = 512
 # While another engine of the worker computes: forwards take turns with its steps
-# (engine/core/turns.py), so each of these is what one of its steps may wait for.
+# (engine/core/turns.py), and pause between layers once they have held the device
+# turns.PAUSE_AFTER_S, so one of its steps waits about that and a layer.
 SHARED_BATCH_TOKENS = 128
 
 
@@ -320,8 +321,11 @@ class EmbeddingEngine:
     def _step(self, batch: list[tuple[EmbeddingJob, int]]) -> None:
         jobs = list(dict.fromkeys(job for job, _ in batch))
         try:
-            with self.compute_turns.turn(self):
-                vectors = self.model.embed([job.rows[row] for job, row in batch])
+            turns = self.compute_turns
+            with turns.turn(self):
+                vectors = self.model.embed(
+                    [job.rows[row] for job, row in batch], lambda: turns.pause(self)
+                )
         except Exception as exc:
             logger.exception("embedding forward failed")
             self._end_jobs(jobs, exc)

@@ -8,6 +8,11 @@ slower, while each alone takes a fraction of the machine's time. With turns, a s
 most for the other engines' one step each (an embedding forward is bounded:
 engine/core/embedding.py), then runs with the device to itself. Turns are first come, first
 served, so engines with work alternate step by step; an engine alone never waits.
+
+A step that is long and can stop between parts (a sentence encoder's forward, layer by layer:
+engine/core/embedding.py) calls `pause` between them: once it has held its turn PAUSE_AFTER_S,
+an engine waiting goes first, one step, then the step goes on. What a chat step waits for is
+then about PAUSE_AFTER_S and a layer, however long the other engine's inputs are.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Iterator
 
 # An engine that took a turn this recently counts as working (between its steps it holds none).
 ACTIVE_WINDOW_S = 0.5
+# A step that can pause lets waiting engines go first once it has held its turn this long.
+PAUSE_AFTER_S = 0.02
 
 
 class ComputeTurns:
@@ -29,6 +36,8 @@ class ComputeTurns:
         self._busy = False
         self._waiting: collections.deque[object] = collections.deque()
         self._last: dict[int, float] = {}  # id of an engine -> when its last turn ended
+        self._since = 0.0  # when the turn being held began (or resumed after a pause)
+        self.num_pauses = 0
 
     def contended(self) -> bool:
         """Another engine waits for its turn: a step should not run ahead into the next one."""
@@ -47,16 +56,38 @@ class ComputeTurns:
         """Hold the device for one step of `owner` (blocks its thread until its turn)."""
         with self._lock:
             if self._busy or self._waiting:
-                ticket = object()
-                self._waiting.append(ticket)
-                while self._busy or self._waiting[0] is not ticket:
-                    self._changed.wait()
-                self._waiting.popleft()
+                self._wait_in_line()
             self._busy = True
+            self._since = time.monotonic()
         try:
             yield
         finally:
             with self._lock:
-                self._busy = False
-                self._last[id(owner)] = time.monotonic()
-                self._changed.notify_all()
+                self._release(owner)
+
+    def pause(self, owner: object) -> None:
+        """Inside `owner`'s turn, between two parts of its step: if another engine waits and the
+        turn is PAUSE_AFTER_S old, let the engines waiting go first, then take the device back."""
+        if not self._waiting or time.monotonic() - self._since < PAUSE_AFTER_S:
+            return
+        with self._lock:
+            if not self._waiting:
+                return
+            self._release(owner)
+            self._wait_in_line()
+            self._busy = True
+            self._since = time.monotonic()
+            self.num_pauses += 1
+
+    def _wait_in_line(self) -> None:
+        """Queue behind the engines waiting and wait for the device (holding the lock)."""
+        ticket = object()
+        self._waiting.append(ticket)
+        while self._busy or self._waiting[0] is not ticket:
+            self._changed.wait()
+        self._waiting.popleft()
+
+    def _release(self, owner: object) -> None:
+        self._busy = False
+        self._last[id(owner)] = time.monotonic()
+        self._changed.notify_all()

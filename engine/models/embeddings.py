@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
@@ -22,6 +22,8 @@ import mlx.nn as nn
 import numpy as np
 from tokenizers import Tokenizer
 
+from engine.kernels import activation, attention
+from engine.kernels.fast import fast_kernels_enabled
 from engine.models.config import embedding_context_length
 from engine.protocol import EmbeddingInfo, EmbeddingLoadError
 
@@ -29,9 +31,13 @@ NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 
 
 class _Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float):
+    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, fast: bool):
         super().__init__()
         self.heads = heads
+        # MLX's CPU `erf` and attention fallback are two thirds of a forward; engine/kernels'
+        # exact GELU and attention take a third of the time (ORCHARD_FAST_KERNELS as for models).
+        self._gelu = activation.gelu if fast else nn.gelu
+        self._attention = attention.scaled_dot_product_attention if fast else _mlx_attention
         self.query = nn.Linear(hidden, hidden)
         self.key = nn.Linear(hidden, hidden)
         self.value = nn.Linear(hidden, hidden)
@@ -42,26 +48,32 @@ class _Layer(nn.Module):
         self.out_norm = nn.LayerNorm(hidden, eps=eps)
 
     def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        """`mask`: (batch, 1, 1, length), True for the keys each row attends to."""
         batch, length, hidden = x.shape
         head_dim = hidden // self.heads
 
         def heads(t: mx.array) -> mx.array:
             return t.reshape(batch, length, self.heads, head_dim).transpose(0, 2, 1, 3)
 
-        attended = mx.fast.scaled_dot_product_attention(
+        attended = self._attention(
             heads(self.query(x)),
             heads(self.key(x)),
             heads(self.value(x)),
-            scale=1.0 / math.sqrt(head_dim),
-            mask=mask,
+            None,
+            1.0 / math.sqrt(head_dim),
+            mask,
         )
         attended = attended.transpose(0, 2, 1, 3).reshape(batch, length, hidden)
         x = self.attention_norm(x + self.attention_out(attended))
-        return self.out_norm(x + self.out(nn.gelu(self.intermediate(x))))
+        return self.out_norm(x + self.out(self._gelu(self.intermediate(x))))
+
+
+def _mlx_attention(queries, keys, values, cache, scale, mask):
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, *, fast: bool = False):
         super().__init__()
         hidden, eps = config["hidden_size"], config.get("layer_norm_eps", 1e-12)
         self.word_embeddings = nn.Embedding(config["vocab_size"], hidden)
@@ -69,12 +81,15 @@ class BertEncoder(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.get("type_vocab_size", 2), hidden)
         self.embedding_norm = nn.LayerNorm(hidden, eps=eps)
         self.layers = [
-            _Layer(hidden, config["num_attention_heads"], config["intermediate_size"], eps)
+            _Layer(hidden, config["num_attention_heads"], config["intermediate_size"], eps, fast)
             for _ in range(config["num_hidden_layers"])
         ]
 
-    def __call__(self, token_ids: mx.array, attention: mx.array) -> mx.array:
-        """Last hidden states (batch, length, hidden); `attention` is 1 for real tokens."""
+    def __call__(
+        self, token_ids: mx.array, attention: mx.array, between: Callable[[], None] | None = None
+    ) -> mx.array:
+        """Last hidden states (batch, length, hidden); `attention` is 1 for real tokens. With
+        `between`, each layer's output is computed and `between()` called before the next."""
         positions = mx.arange(token_ids.shape[1])[None, :]
         x = (
             self.word_embeddings(token_ids)
@@ -82,9 +97,11 @@ class BertEncoder(nn.Module):
             + self.token_type_embeddings(mx.zeros_like(token_ids))
         )
         x = self.embedding_norm(x)
-        # Additive mask over keys: padding gets -inf before the softmax.
-        mask = mx.where(attention[:, None, None, :] > 0, 0.0, -math.inf).astype(x.dtype)
-        for layer in self.layers:
+        mask = attention[:, None, None, :] > 0  # every row attends to its own tokens only
+        for index, layer in enumerate(self.layers):
+            if between is not None and index:
+                mx.eval(x)
+                between()
             x = layer(x, mask)
         return x
 
@@ -133,7 +150,7 @@ class EmbeddingModel:
         own = {_rename(k): v.astype(mx.float32) for k, v in weights.items()}
         own = {k: v for k, v in own.items() if not k.startswith(("pooler.", "position_ids"))}
         try:
-            self.encoder = BertEncoder(config)
+            self.encoder = BertEncoder(config, fast=fast_kernels_enabled())
             self.encoder.load_weights(list(own.items()))
         except (KeyError, ValueError) as exc:
             raise EmbeddingLoadError(f"the weights in {path} do not fit a BERT: {exc}") from exc
@@ -152,8 +169,11 @@ class EmbeddingModel:
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts))]
 
-    def embed(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
-        """(n, dimensions) float32 vectors of one padded batch."""
+    def embed(
+        self, token_ids: Sequence[Sequence[int]], between: Callable[[], None] | None = None
+    ) -> np.ndarray:
+        """(n, dimensions) float32 vectors of one padded batch; `between` is called between
+        layers, each computed before it (the engine lets another engine's step in there)."""
         longest = max(len(ids) for ids in token_ids)
         padded = np.zeros((len(token_ids), longest), dtype=np.int32)
         attention = np.zeros((len(token_ids), longest), dtype=np.float32)
@@ -161,7 +181,7 @@ class EmbeddingModel:
             padded[row, : len(ids)] = ids
             attention[row, : len(ids)] = 1.0
         mask = mx.array(attention)
-        hidden = self.encoder(mx.array(padded), mask)
+        hidden = self.encoder(mx.array(padded), mask, between)
         if self.info.pooling == "cls":
             pooled = hidden[:, 0, :]
         elif self.info.pooling == "max":

@@ -1,6 +1,7 @@
-"""The fast SiLU / SwiGLU (engine/kernels/fast.py, engine/kernels/fastexp.py) against float64
-and MLX over float32's range, special values and half precision; what they leave to MLX; the
-per-shape compile cache they share with attention."""
+"""The fast SiLU / SwiGLU (engine/kernels/fast.py, engine/kernels/fastexp.py) and exact GELU
+(engine/kernels/activation.py, the sentence encoder's) against float64 and MLX over float32's
+range, special values and half precision; what they leave to MLX; the per-shape compile cache
+they share with attention."""
 
 import math
 import shutil
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import activations
 
+from engine.kernels import activation, fastexp
 from engine.kernels import fast as kernels
-from engine.kernels import fastexp
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu or shutil.which("g++") is None,
@@ -114,6 +115,54 @@ def test_what_it_does_not_handle_goes_to_mlx():
     gate, up = mx.array([[1.0, -2.0]]), mx.array([3.0])  # broadcasting
     assert kernels.swiglu(gate, up).tolist() == activations.swiglu(gate, up).tolist()
     assert kernels.silu(mx.zeros((0, 3))).shape == (0, 3)
+
+
+def gelu_reference(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+def test_gelu_matches_float64_erf_and_mlx():
+    x = wide_range()
+    fast = np.array(activation.gelu(mx.array(x))).astype(np.float64)
+    expected = gelu_reference(x)
+    error = np.abs(fast - expected)
+    # Within 1.4e-6 where BERT's activations live; everywhere, within 3e-7 of max(|x|, 1)
+    # (positive x gives x, negative gives -0 past -4√2: see the next test).
+    assert error[np.abs(x) <= 12].max() < 1.4e-6
+    assert (error / np.maximum(np.abs(x), 1.0)).max() < 3e-7
+    mlx = np.array(nn.gelu(mx.array(x))).astype(np.float64)
+    assert np.abs(fast - mlx)[np.abs(x) <= 12].max() < 2e-6
+
+
+def test_gelu_special_values():
+    values = [0.0, -0.0, INF, NAN, 1e-40, -1e-40, -5.66, -6.0, -200.0, -3.4e38, 200.0, 3.4e38]
+    out = activation.gelu(mx.array(values, dtype=mx.float32)).tolist()
+    got = dict(zip(values, out, strict=True))
+    assert got[0.0] == 0.0 and got[INF] == INF and math.isnan(got[NAN])
+    assert abs(got[1e-40] - 5e-41) < 1e-45 and abs(got[-1e-40] + 5e-41) < 1e-45
+    for x in (-6.0, -200.0, -3.4e38):  # below -4√2: erf is exactly -1, GELU exactly 0
+        assert got[x] == 0.0, x
+    assert abs(got[-5.66]) < 5e-7  # the last point before the clamp: erf's error times x/2
+    for x in (200.0, 3.4e38):
+        assert got[x] == np.float32(x), x
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_gelu_in_half_precision_is_computed_in_float32_and_rounded_once(dtype):
+    x = mx.array(np.linspace(-8, 8, 20_001).astype(np.float32)).astype(dtype)
+    fast = activation.gelu(x)
+    assert fast.dtype == dtype
+    ours = np.array(fast.astype(mx.float32))
+    theirs = np.array(nn.gelu(x.astype(mx.float32)).astype(dtype).astype(mx.float32))
+    # One rounding step apart at most (GELU's tail toward -0 is below half precision's steps).
+    assert (np.abs(ours - theirs) <= 2**-8 * np.abs(theirs) + 2**-14).all()
+
+
+def test_gelu_leaves_what_it_does_not_handle_to_mlx():
+    ints = mx.arange(-3, 3)
+    assert activation.gelu(ints).tolist() == nn.gelu(ints).tolist()
+    assert activation.gelu(mx.zeros((0, 4))).shape == (0, 4)
 
 
 def test_kernels_are_compiled_per_shape_and_old_shapes_dropped():

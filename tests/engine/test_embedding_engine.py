@@ -105,8 +105,8 @@ class Gated:
         self.first_done = threading.Event()
         self.go = threading.Event()
 
-    def embed(self, rows):
-        vectors = self.model.embed(rows)
+    def embed(self, rows, between=None):
+        vectors = self.model.embed(rows, between)
         self.forwards.append(len(rows))
         if len(self.forwards) == 1:
             self.first_done.set()

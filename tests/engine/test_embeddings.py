@@ -1,5 +1,6 @@
 """The MLX sentence encoder (engine/models/embeddings.py) on the real all-MiniLM-L6-v2: equal to an
-independent NumPy BERT to 1e-4, padded batches equal to one input at a time, similar sentences
+independent NumPy BERT to 1e-4 (with engine/kernels' GELU and attention, and with MLX's own),
+padded batches equal to one input at a time, similar sentences
 closer than unrelated ones, folders that are not an encoder refused (the engine that serves one:
 test_embedding_engine.py)."""
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from django.conf import settings
 
+from engine.kernels import activation
 from engine.models.embeddings import EmbeddingLoadError, EmbeddingModel, default_embedding_folder
 from tests.fixtures.bert_reference import ReferenceBert
 
@@ -48,6 +50,16 @@ def test_vectors_match_an_independent_numpy_bert(model, folder):
         assert np.abs(batched[row] - expected).max() < 1e-4, SENTENCES[row]
         assert np.abs(model.embed([token_ids])[0] - batched[row]).max() < 1e-5
         assert abs(np.linalg.norm(batched[row]) - 1.0) < 1e-5
+
+
+def test_mlxs_own_kernels_give_the_same_vectors(model, folder, monkeypatch):
+    """ORCHARD_FAST_KERNELS=0 (and any device but the CPU) keeps MLX's erf GELU and attention."""
+    assert model.encoder.layers[0]._gelu is activation.gelu  # this machine: the fast kernels
+    monkeypatch.setenv("ORCHARD_FAST_KERNELS", "0")
+    plain = EmbeddingModel(folder)
+    assert plain.encoder.layers[0]._gelu is not activation.gelu
+    ids = model.tokenize(SENTENCES)
+    assert np.abs(plain.embed(ids) - model.embed(ids)).max() < 1e-5
 
 
 def test_similar_sentences_score_higher_than_unrelated_ones(model):
