@@ -77,6 +77,18 @@ class Probe:
     failures: list[str] = field(default_factory=list)
     # The chats' usage rows: time to first token from the request's submission to the engine.
     engine_ttft_ms: list[float] = field(default_factory=list)
+    ttft_at: list[float] = field(default_factory=list)  # seconds into the phase, per ttft_ms
+    began_wall: float = 0.0
+
+    def slowest(self) -> str:
+        """The five slowest first tokens (ms @ seconds into the phase) and the engine's."""
+        chats = sorted(zip(self.ttft_ms, self.ttft_at, strict=True), reverse=True)[:5]
+        engines = sorted(self.engine_ttft_ms, reverse=True)[:5]
+        return (
+            f"(phase began {self.began_wall:.2f}) slowest TTFT "
+            + ", ".join(f"{ms:.0f}@{at:.1f}s" for ms, at in chats)
+            + ("; the engine's " + ", ".join(f"{ms:.0f}" for ms in engines))
+        )
 
     def row(self) -> tuple[float, float, float, float]:
         return (
@@ -113,7 +125,9 @@ async def probe(base_url: str, key: str, seconds: float) -> Probe:
     import httpx
 
     result = Probe()
-    deadline = time.monotonic() + seconds
+    result.began_wall = time.time()
+    began = time.monotonic()
+    deadline = began + seconds
     headers = {"Authorization": f"Bearer {key}"}
 
     async def models(http: httpx.AsyncClient) -> None:
@@ -152,6 +166,7 @@ async def probe(base_url: str, key: str, seconds: float) -> Probe:
                 result.failures.append("chat: no content")
             else:
                 result.ttft_ms.append((first - start) * 1000)
+                result.ttft_at.append(time.monotonic() - began)
             await asyncio.sleep(0.02)
 
     async with (
@@ -349,13 +364,17 @@ def main() -> None:
         # TTFT ratio).
         asyncio.run(probe(base_url, keys["team-b"], WARM_SECONDS))
         baseline = measure(base_url, keys["team-b"], args.seconds)
-        print(f"alone: {baseline.row()}", flush=True)
+        print(f"alone: {baseline.row()} {baseline.slowest()}", flush=True)
         rows = []
         for kind in kinds:
             measured, statuses = run_abuse(
                 base_url, keys, kind, args.seconds, idle=args.abusers == "idle"
             )
-            print(f"{kind}: {measured.row()} failures={measured.failures[:3]} A={statuses}")
+            print(
+                f"{kind}: {measured.row()} failures={measured.failures[:3]} A={statuses} "
+                f"{measured.slowest()}",
+                flush=True,
+            )
             rows.append((kind, measured, statuses))
         sizes = chain_growth(base_url, keys["team-b"])
     finally:
