@@ -36,8 +36,8 @@ arrival order while sequence slots and memory remain.
   what they computed in the prefix cache) and queued again with what they generated, which
   they prefill on their return (found in the prefix cache, or recomputed), so their output
   continues token for token. Never while the runner runs ahead. A step that prefills a
-  higher tier than every decoding row's pauses their decode (`_pause_lower_tiers`), so the
-  higher tier's first token does not wait for a full batch's decode step. While a higher tier
+  higher tier than some decoding row's pauses the decode (`_pause_lower_tiers`), so the
+  higher tier's first token does not wait for a batch's decode step. While a higher tier
   has requests, the lowest tier keeps only its yield share of the rows (`Yielding`, engine/core/
   fairness.py: admitted up to it, preempted down to it), so the steps stay short.
 """
@@ -204,9 +204,11 @@ class Scheduler(Preemption):
         return output
 
     def _pause_lower_tiers(self, output: SchedulerOutput) -> None:
-        """A step that prefills a higher tier than every decoding row's runs that prefill
-        alone: the rows wait the step (on the CPU a decode step of a full batch costs several
-        times a short prompt's prefill, and the higher tier's first token would wait for it).
+        """A step that prefills a higher tier than some decoding row's runs that prefill alone:
+        every row waits the step (on the CPU a decode step costs in proportion to its rows, a
+        batch's flex rows several times a short prompt's prefill, and the higher tier's first
+        token would wait for them; the runner decodes all of its rows or none, so the prompt's
+        own tier waits the step too, as its rows would have carried the prompt's prefill).
         Never two steps running, so the lower tiers still advance at least every other step;
         never while running ahead, nor (on a hybrid model) where a prompt completes, whose
         last token goes in with the decode step (engine/core/runner.py)."""
@@ -214,8 +216,8 @@ class Scheduler(Preemption):
             self._paused = False
             return
         top = min(chunk.request.service.rank for chunk in output.prefill)
-        if any(seq.request.service.rank <= top for seq in output.decode):
-            return
+        if all(seq.request.service.rank <= top for seq in output.decode):
+            return  # no lower tier rides along: the step stays mixed
         chunks = [c for c in output.prefill if c.request.service.rank == top]
         if self.hybrid and any(chunk.completes_prompt for chunk in chunks):
             return

@@ -323,12 +323,25 @@ def test_a_higher_tiers_prefill_runs_alone_but_never_two_steps_running():
     _, plan = step(sched)
     flex = [seq for seq in plan.decode if seq.request.service.tier == "flex"]
     assert len(flex) == 4, "the flex rows decode the next step"
-    # Once a priority row decodes, its tier's prefills no longer pause anything.
+    # With priority rows decoding beside the flex ones, a priority prompt still runs alone
+    # (the flex rows would ride along in its step), its own tier's rows waiting that step too.
     while any(r.sequences[0].is_prefilling for r in sched.running):
         step(sched)
     sched.add(request("p3", "B", tier="priority", num_prompt=20, max_tokens=4))
     _, plan = step(sched)
-    assert plan.decode
+    assert plan.decode == [] and [c.request.request_id for c in plan.prefill] == ["p3"]
+    _, plan = step(sched)
+    assert {seq.request.service.tier for seq in plan.decode} == {"priority", "flex"}
+
+
+def test_a_prompt_beside_rows_of_its_own_tier_only_shares_their_step():
+    sched = scheduler(max_num_seqs=8, min_tier_share=0, yield_share=1.0)
+    backlog(sched, "A", 3, tier="priority", max_tokens=100)
+    while sched.waiting or any(r.sequences[0].is_prefilling for r in sched.running):
+        step(sched)
+    sched.add(request("p", "B", tier="priority", num_prompt=20, max_tokens=4))
+    _, plan = step(sched)
+    assert len(plan.decode) == 3 and [c.request.request_id for c in plan.prefill] == ["p"]
 
 
 def test_a_full_waiting_queue_still_takes_another_teams_requests(tiny_llama):
