@@ -39,8 +39,7 @@ arrival order while sequence slots and memory remain.
   higher tier than some decoding row's pauses the decode (`_pause_lower_tiers`), so the
   higher tier's first token does not wait for a batch's decode step. While a higher tier
   has requests, the lowest tier keeps only its yield share of the rows (`Yielding`, engine/core/
-  fairness.py: admitted up to it, preempted down to it, its prompts never a burst), so the
-  steps stay short.
+  fairness.py: admitted up to it, preempted down to it), so the steps stay short.
 """
 
 from __future__ import annotations
@@ -177,13 +176,6 @@ class Scheduler(Preemption):
                 drafted = 0
             budget -= drafted
         burst = bool(self.admission_chunk_tokens) and self._num_prefilling() > 1
-        if burst and output.decode and self.fairness is not None and self.fairness.yielding.active:
-            # The lowest tier's lines while it yields (a batch beside interactive streams) are
-            # no burst: they are admitted as rows free up, often many at once (rows admitted
-            # together finish together), and a step of a burst's budget would be what the next
-            # interactive prompt waits for. A higher tier's prompts run alone anyway
-            # (`_pause_lower_tiers`), with the whole budget.
-            burst = False
         if burst:
             # A burst: bigger steps than a lone prompt gets beside the decode, so few decode
             # steps interleave; the head prompt is never split (while nothing decodes).

@@ -334,19 +334,6 @@ def test_a_higher_tiers_prefill_runs_alone_but_never_two_steps_running():
     assert {seq.request.service.tier for seq in plan.decode} == {"priority", "flex"}
 
 
-def test_a_yielding_tiers_lines_get_no_burst_budget_beside_decoding_rows():
-    sched = scheduler(max_num_seqs=16, min_tier_share=0, yield_share=0.5)
-    sched.add(request("s", "B", num_prompt=4, max_tokens=1000))
-    step(sched)
-    backlog(sched, "A", 12, tier="flex", num_prompt=8, max_tokens=100)
-    sched.prefill_chunk_tokens, sched.admission_chunk_tokens = 10, 100
-    for _ in range(6):
-        _, plan = step(sched)
-        assert plan.decode  # the standard row decodes beside the flex lines' prefill
-        assert sum(c.num_tokens for c in plan.prefill) <= 10  # a burst would take 100
-    assert sum(r.service.tier == "flex" for r in sched.running) >= 4  # still admitted
-
-
 def test_a_prompt_beside_rows_of_its_own_tier_only_shares_their_step():
     sched = scheduler(max_num_seqs=8, min_tier_share=0, yield_share=1.0)
     backlog(sched, "A", 3, tier="priority", max_tokens=100)
