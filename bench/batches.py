@@ -77,9 +77,11 @@ class Interactive:
     seconds: float = 0.0
     opened_at: datetime.datetime | None = None
     engine_ttft: list[float] = field(default_factory=list)  # the usage rows' (engine_side)
+    started: list[float] = field(default_factory=list)  # wall clock (time.time()) per ttft
 
     def add(self, other: Interactive) -> None:
         self.ttft += other.ttft
+        self.started += other.started
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.engine_ttft += other.engine_ttft
@@ -87,6 +89,21 @@ class Interactive:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    def slowest(self) -> str:
+        """The five slowest first tokens, each with when its request started (UTC), and the
+        engine's five slowest: where to look in the server's log."""
+        chats = sorted(zip(self.ttft, self.started, strict=True), reverse=True)[:5]
+        utc = datetime.UTC
+        return (
+            "slowest TTFT "
+            + ", ".join(
+                f"{s:.3f} s @ {datetime.datetime.fromtimestamp(at, utc):%H:%M:%S.%f}"[:-3]
+                for s, at in chats
+            )
+            + "; the engine's "
+            + ", ".join(f"{s:.3f}" for s in sorted(self.engine_ttft, reverse=True)[:5])
+        )
 
 
 def p99(values: list[float]) -> float:
@@ -173,10 +190,12 @@ async def interactive(api, args, until) -> Interactive:
     async def client(c: int) -> None:
         index = 0
         while not until():
+            started = time.time()
             ttft, tokens = await stream_one(
                 api, messages(f"{tag}-{c}", index), args.interactive_tokens
             )
             result.ttft.append(ttft)
+            result.started.append(started)
             result.tokens += tokens
             index += 1
 
@@ -374,8 +393,10 @@ def measure(base_url: str, keys: tuple[str, str], args, server_pid: int) -> dict
         f"M: batch {beside.tokens_per_s:.1f} tok/s in {beside.seconds:.1f} s; interactive "
         f"{len(mixed.ttft)} requests, p50 {p50(mixed.ttft):.3f} s, {mixed.tokens_per_s:.1f} tok/s"
     )
+    say(f"M: {mixed.slowest()}")
     alone.add(engine_side(asyncio.run(interactive_alone(base_url, keys[0], args))))
     say(f"A (both halves): {len(alone.ttft)} requests, p50 {p50(alone.ttft):.3f} s")
+    say(f"A: {alone.slowest()}")
     return {"alone": alone, "capacity": capacity, "mixed": mixed, "beside": beside, "cpu": cpu}
 
 
