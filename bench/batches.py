@@ -6,6 +6,8 @@ and how much of the capacity they leave free the batch puts to use.
 One self-contained run, as bench/api.py's (a throwaway ORCHARD_HOME and SQLite database, the
 default model, SmolLM2-135M float32, with 64 rows: 64 lines at once with ORCHARD_BATCH_CONCURRENCY
 unset), keys of an interactive team and a batch team, daphne with its batch runner on a free port.
+ORCHARD_FLEX_YIELD_SHARE from the environment reaches daphne (the rows a batch keeps beside
+the interactive streams; the header says which).
 
 - Interactive: `--clients` (4) clients, each a closed loop of streamed chat completions of
   `--interactive-tokens` tokens (the official `openai` AsyncOpenAI, greedy, EOS ignored, a
@@ -488,6 +490,7 @@ def main() -> None:
             stop_daphne(server)
         shutil.rmtree(home, ignore_errors=True)
     concurrency = os.environ.get("ORCHARD_BATCH_CONCURRENCY") or "0 (the model's 64 rows)"
+    yield_share = os.environ.get("ORCHARD_FLEX_YIELD_SHARE") or "0.25 (the default)"
     block = "\n".join(
         [
             *run_header(
@@ -499,7 +502,8 @@ def main() -> None:
             ),
             "",
             f"SmolLM2-135M float32, greedy, EOS ignored, 64 rows, ORCHARD_BATCH_CONCURRENCY "
-            f"{concurrency}. Interactive: {args.clients} closed-loop streams of "
+            f"{concurrency}, ORCHARD_FLEX_YIELD_SHARE {yield_share}. Interactive: "
+            f"{args.clients} closed-loop streams of "
             f"{args.interactive_tokens} tokens (`openai`, stream=True, standard tier). Batch: "
             f"{args.lines} chat lines of {args.batch_tokens} tokens (flex tier). A: the streams "
             f"alone, {args.seconds:g} s before the batches and {args.seconds:g} s after. B: a "

@@ -271,6 +271,13 @@ ORCHARD_FAIR_SHARE = env_bool("ORCHARD_FAIR_SHARE", True)
 ORCHARD_TIER_MIN_SHARE = env_float("ORCHARD_TIER_MIN_SHARE", 0.1)
 if not 0 <= ORCHARD_TIER_MIN_SHARE < 1:
     raise ImproperlyConfigured("ORCHARD_TIER_MIN_SHARE must be at least 0 and below 1.")
+# While a higher tier has requests, the flex tier (/v1/batches) keeps this share of a batch's
+# rows (engine/core/fairness.py `Yielding`): fewer rows make shorter steps, so interactive
+# streams decode faster beside a batch, and the batch gets less done (bench/RESULTS.md, "Batches
+# beside interactive traffic"). 1: no yielding, the batch takes every row it can.
+ORCHARD_FLEX_YIELD_SHARE = env_float("ORCHARD_FLEX_YIELD_SHARE", 0.25)
+if not 0 < ORCHARD_FLEX_YIELD_SHARE <= 1:
+    raise ImproperlyConfigured("ORCHARD_FLEX_YIELD_SHARE must be above 0 and at most 1.")
 # A structured-output grammar (from a JSON schema, a regex, Lark, or a forced tool call) larger
 # than this is refused with a 400 before it is compiled.
 ORCHARD_GRAMMAR_MAX_BYTES = env_int("ORCHARD_GRAMMAR_MAX_BYTES", 512 * 1024)

@@ -81,6 +81,7 @@ class BatchedEngine(EngineLoop):
                 FairShare(
                     max_num_seqs=min(self.spec.max_num_seqs, self.spec.max_num_batched_tokens),
                     min_tier_share=self.spec.tier_min_share,
+                    yield_share=self.spec.flex_yield_share,
                 )
                 if self.spec.fair_share
                 else None

@@ -46,9 +46,11 @@ class ModelSpec:
     draft_path: str | None = None
     # Fair share between tenants and service tiers (engine/core/fairness.py); off: arrival
     # order. A tier below the top keeps at least this share of the batch's rows while it has
-    # work.
+    # work; the lowest (flex) keeps at most `flex_yield_share` of them while a higher tier has
+    # requests (1: all it can get).
     fair_share: bool = True
     tier_min_share: float = 0.1
+    flex_yield_share: float = 0.25
     # Residency in the worker's memory budget (engine/cache/host.py): a pinned model is never
     # unloaded to make room or after idling; others unload after `idle_unload_s` seconds
     # without requests (None: the worker's default; 0: never). Not part of a spec's identity:

@@ -117,6 +117,7 @@ def model_spec(entry: ModelEntry) -> ModelSpec:
         draft_path=entry.draft_model.path if entry.draft_model_id is not None else None,
         fair_share=settings.ORCHARD_FAIR_SHARE,
         tier_min_share=settings.ORCHARD_TIER_MIN_SHARE,
+        flex_yield_share=settings.ORCHARD_FLEX_YIELD_SHARE,
         pinned=entry.pinned,
         idle_unload_s=entry.idle_unload_seconds,
     )

@@ -100,3 +100,12 @@ def test_the_prefix_cache_disk_tier_is_a_size_under_orchard_home(monkeypatch, tm
     for value in ("0.5", "lots", "-1GiB"):
         with pytest.raises(ImproperlyConfigured, match="ORCHARD_PREFIX_DISK_BYTES must be a size"):
             settings_module(monkeypatch, tmp_path, ORCHARD_PREFIX_DISK_BYTES=value)
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "nan", "half"])
+def test_the_flex_yield_share_is_above_0_and_at_most_1(monkeypatch, tmp_path, value):
+    assert settings_module(monkeypatch, tmp_path)["ORCHARD_FLEX_YIELD_SHARE"] == 0.25
+    found = settings_module(monkeypatch, tmp_path, ORCHARD_FLEX_YIELD_SHARE="1")
+    assert found["ORCHARD_FLEX_YIELD_SHARE"] == 1.0
+    with pytest.raises(ImproperlyConfigured, match="ORCHARD_FLEX_YIELD_SHARE"):
+        settings_module(monkeypatch, tmp_path, ORCHARD_FLEX_YIELD_SHARE=value)

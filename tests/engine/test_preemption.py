@@ -67,3 +67,26 @@ def test_a_request_preempted_while_its_prompt_is_prefilled_in_chunks_resumes(tin
     assert engine.scheduler.num_preemptions >= 1
     for req in [*flex, urgent]:
         assert_same(together, req.request_id, alone[req.request_id], req.request_id)
+
+
+@pytest.mark.parametrize(("yield_share", "flex_rows"), [(0.5, 2), (1.0, 3)])
+def test_the_specs_flex_yield_share_is_what_a_batch_keeps_beside_interactive_work(
+    tiny_model, yield_share, flex_rows
+):
+    """ModelSpec.flex_yield_share (ORCHARD_FLEX_YIELD_SHARE) reaches the engine's scheduler:
+    4 flex rows fill the batch, a default request comes; the flex tier keeps half the rows, or
+    (1: no yielding) every row but the one the default request needs."""
+    vocab = tiny_model.info.vocab_size
+    spec = {"max_num_seqs": 4, "tier_min_share": 0.0, "flex_yield_share": yield_share}
+    engine = manual_engine(tiny_model, BatchedEngine, **spec)
+    flex = [request(f"f{i}", prompt(vocab, 8, seed=40 + i), "flex", "A") for i in range(4)]
+    for req in flex:
+        engine.scheduler.add(engine.make_request(req, lambda output: None))
+    engine.step()
+    engine.step()
+    urgent = request("d", prompt(vocab, 6, seed=50), "default", "B")
+    engine.scheduler.add(engine.make_request(urgent, lambda output: None))
+    engine.step()
+    running = {r.request_id: r.service.tier for r in engine.scheduler.running}
+    assert list(running.values()).count("flex") == flex_rows
+    assert "d" in running

@@ -174,3 +174,13 @@ def test_only_a_model_folder_of_its_kind_is_registered(tiny_model_path, minilm_p
     assert "no config.json" in model_folder_problem(tmp_path, kind="chat")
     (tmp_path / "config.json").write_text("{}")
     assert "no tokenizer.json" in model_folder_problem(tmp_path, kind="embedding")
+
+
+@pytest.mark.django_db
+def test_the_flex_tiers_yield_share_reaches_every_engines_spec(settings, tiny_model_path):
+    from inference.services.registry import model_spec
+
+    entry = model_register(name="m", path=tiny_model_path)
+    assert model_spec(entry).flex_yield_share == 0.25
+    settings.ORCHARD_FLEX_YIELD_SHARE = 1.0
+    assert model_spec(entry).flex_yield_share == 1.0
