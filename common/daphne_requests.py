@@ -11,16 +11,24 @@ never reads. So, in the daphne process:
 - a body whose Content-Length is over its route's cap (`cap_for`: the body cap's own,
   inference/body_cap.py) is dropped as it arrives: the cap answers 413 from the headers alone,
   so the bytes are read off the socket (a client sends its body before it reads the answer)
-  and thrown away, never written to a file nor handed to the application.
+  and thrown away, never written to a file nor handed to the application;
+- a body goes to the application in messages of up to BODY_MESSAGE_BYTES, not daphne's 8 KiB
+  (its `request_buffer_size`, which no command-line option sets): a 3 MB body was 330 messages,
+  each a queue put, a wake-up and a write into Django's body file on the event loop (35% of the
+  web process's interpreter-lock time while one team sent such bodies in a loop, sampled with
+  py-spy in bench/isolation.py's enums).
 
 `install` swaps daphne's request class for a subclass (daphne builds each connection's requests
-from `daphne.http_protocol.WebRequest`); it changes nothing else.
+from `daphne.http_protocol.WebRequest`), which raises its server's message size when it is made;
+it changes nothing else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from urllib.parse import unquote
+
+BODY_MESSAGE_BYTES = 1 << 20
 
 
 class DroppedBody:
@@ -80,6 +88,8 @@ def install(cap_for: Callable[[str], int]) -> None:
         def __init__(self, *args, **kwargs):
             kwargs["parsePOSTFormSubmission"] = False
             super().__init__(*args, **kwargs)
+            if self.server.request_buffer_size < BODY_MESSAGE_BYTES:
+                self.server.request_buffer_size = BODY_MESSAGE_BYTES
 
         def gotLength(self, length):  # (Twisted's name)
             path = request_path(self)
