@@ -12,10 +12,6 @@ never reads. So, in the daphne process:
   inference/body_cap.py) is dropped as it arrives: the cap answers 413 from the headers alone,
   so the bytes are read off the socket (a client sends its body before it reads the answer)
   and thrown away, never written to a file nor handed to the application;
-- a body of up to `in_memory_bytes` (FILE_UPLOAD_MAX_MEMORY_SIZE, which keeps it in memory on
-  Django's side too) is kept in memory, not in a temporary file: Twisted's file for a body over
-  100 kB, written and read back, made and deleted, was over a third of daphne's main thread
-  while one team sent 2.6 MB bodies in a loop (py-spy);
 - a body goes to the application in messages of up to BODY_MESSAGE_BYTES, not daphne's 8 KiB
   (its `request_buffer_size`, which no command-line option sets): a 3 MB body was 330 messages,
   each a queue put, a wake-up and a write into Django's body file on the event loop (35% of the
@@ -29,7 +25,6 @@ it changes nothing else.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from urllib.parse import unquote
 
@@ -81,7 +76,7 @@ def request_path(request) -> str | None:
         return None
 
 
-def install(cap_for: Callable[[str], int], in_memory_bytes: int = 0) -> None:
+def install(cap_for: Callable[[str], int]) -> None:
     """Use the request class below for daphne's connections from now on (idempotent)."""
     from daphne import http_protocol
 
@@ -105,9 +100,6 @@ def install(cap_for: Callable[[str], int], in_memory_bytes: int = 0) -> None:
                 and length > cap_for(path)
             ):
                 self.content = DroppedBody()  # BodyCapMiddleware answers 413 from the headers
-                return
-            if length is not None and length <= in_memory_bytes:
-                self.content = io.BytesIO()
                 return
             super().gotLength(length)
 

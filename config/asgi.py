@@ -74,9 +74,8 @@ django_asgi_app = BodyCapMiddleware(
         reverse("v1-files"): upload_body_cap(),
     },
 )
-# Under daphne: no body parsed by Twisted, one over its cap dropped as it arrives, and one
-# that Django keeps in memory kept in memory by Twisted too.
-daphne_requests.install(django_asgi_app.cap_for, settings.FILE_UPLOAD_MAX_MEMORY_SIZE)
+# Under daphne: no body parsed by Twisted, and one over its cap dropped as it arrives.
+daphne_requests.install(django_asgi_app.cap_for)
 
 
 application = ProtocolTypeRouter(

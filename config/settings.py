@@ -176,10 +176,12 @@ if min(ORCHARD_MAX_BODY_BYTES, ORCHARD_MAX_EMBEDDINGS_BODY_BYTES) < 1:
     )
 # Django's own check (form fields, request.body) never refuses a body the cap let through.
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(ORCHARD_MAX_BODY_BYTES, ORCHARD_MAX_EMBEDDINGS_BODY_BYTES)
-# A body the API's caps let through stays in memory (daphne and Django's ASGI handler; a file
-# part of an upload that small too): it is read whole anyway, and Django's 2.5 MB default wrote
-# a 2.6 MB body to a temporary file and read it back on the event loop every team shares.
-# Larger uploads (/v1/files) still go through temporary files.
+# A body the API's caps let through stays in memory in Django's ASGI handler (a file part of an
+# upload that small too): daphne hands it over only once it is whole, already in memory, and
+# Django's 2.5 MB default wrote a 2.6 MB body to a temporary file and read it back on the event
+# loop every team shares. Larger uploads (/v1/files) still go through temporary files. (While a
+# body arrives, Twisted keeps one over 100 kB in a temporary file: kept in memory, a sender
+# could hold that much memory per connection by stalling before its last bytes.)
 FILE_UPLOAD_MAX_MEMORY_SIZE = DATA_UPLOAD_MAX_MEMORY_SIZE
 
 REST_FRAMEWORK = {

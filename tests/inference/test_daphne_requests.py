@@ -4,7 +4,6 @@ raw bytes: a body over its route's cap is dropped as it arrives (only its size i
 into Twisted's `args` (a multipart upload would be read into memory and parsed on the event
 loop). Over real HTTP the 413s are tests/inference/test_body_cap.py's."""
 
-import io
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +19,6 @@ from inference.body_cap import BodyCapMiddleware
 
 CAP = settings.ORCHARD_MAX_BODY_BYTES
 SMALL_CAP = 4096  # a route with a smaller cap of its own
-# Kept in memory up to this here (config/asgi.py passes FILE_UPLOAD_MAX_MEMORY_SIZE): smaller,
-# so that bodies either side of it stay small; /v1/big takes a body past it.
-IN_MEMORY = 1 << 20
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -30,9 +26,8 @@ def installed():
     """The request class as config/asgi.py installs it in daphne's process (with the body
     cap's own caps), for this module only: daphne's own class is put back after it."""
     original = http_protocol.WebRequest
-    caps = {"/v1/small": SMALL_CAP, "/v1/big": 4 * IN_MEMORY}
     daphne_requests.install(
-        BodyCapMiddleware(None, max_bytes=CAP, route_max_bytes=caps).cap_for, IN_MEMORY
+        BodyCapMiddleware(None, max_bytes=CAP, route_max_bytes={"/v1/small": SMALL_CAP}).cap_for
     )
     yield
     http_protocol.WebRequest = original
@@ -126,21 +121,6 @@ def test_a_large_body_reaches_the_application_whole_in_a_few_messages():
     assert len(server.messages) <= 4
     assert b"".join(m["body"] for m in server.messages) == body
     assert [m["more_body"] for m in server.messages][-1] is False
-
-
-def test_a_body_within_the_in_memory_bound_is_never_written_to_a_file():
-    """Twisted's temporary file for a body over 100 kB, written, read back, made and deleted,
-    was over a third of daphne's main thread while a team sent 2.6 MB bodies in a loop."""
-    body = b"z" * IN_MEMORY
-    request = received(b"/v1/chat/completions", body)
-    assert isinstance(request.content, io.BytesIO)
-    assert request.content.getvalue() == body
-    # Past it (an upload to a route with a larger cap): a temporary file, as Twisted makes it.
-    larger = received(b"/v1/big", body + b"z")
-    assert not isinstance(larger.content, io.BytesIO | DroppedBody)
-    assert larger.content.fileno() >= 0
-    larger.content.seek(0)
-    assert larger.content.read() == body + b"z"
 
 
 async def test_django_keeps_a_body_the_api_caps_let_through_in_memory():
