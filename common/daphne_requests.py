@@ -16,7 +16,13 @@ never reads. So, in the daphne process:
   (its `request_buffer_size`, which no command-line option sets): a 3 MB body was 330 messages,
   each a queue put, a wake-up and a write into Django's body file on the event loop (35% of the
   web process's interpreter-lock time while one team sent such bodies in a loop, sampled with
-  py-spy in bench/isolation.py's enums).
+  py-spy in bench/isolation.py's enums);
+- with a `BodyRate`, every body's bytes are spent from a token bucket of its sender's
+  (common/body_rate.py: its team once its key is known, else its client address) as they are
+  read, and a connection whose bucket is in debt is not read from until the debt is repaid: the
+  client's bytes wait in TCP, so one team's bodies (a flood of over-cap uploads, of schemas that
+  take a parse to refuse) cost the process at most the bucket's rate, however many connections
+  carry them, while another team's requests are read as they come.
 
 `install` swaps daphne's request class for a subclass (daphne builds each connection's requests
 from `daphne.http_protocol.WebRequest`), which raises its server's message size when it is made;
@@ -25,10 +31,23 @@ it changes nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from urllib.parse import unquote
 
+from common.body_rate import ByteBuckets
+
 BODY_MESSAGE_BYTES = 1 << 20
+
+
+@dataclasses.dataclass
+class BodyRate:
+    """The buckets bodies are spent from, and `bucket_for(header, peer)`: the bucket of a
+    request, from its headers (`header(name)`: the first value of a lowercase header, or None)
+    and the address of its peer (None when it has none, e.g. a Unix socket)."""
+
+    buckets: ByteBuckets
+    bucket_for: Callable[[Callable[[bytes], bytes | None], str | None], str]
 
 
 class DroppedBody:
@@ -76,8 +95,49 @@ def request_path(request) -> str | None:
         return None
 
 
-def install(cap_for: Callable[[str], int]) -> None:
-    """Use the request class below for daphne's connections from now on (idempotent)."""
+def first_header(request) -> Callable[[bytes], bytes | None]:
+    def header(name: bytes) -> bytes | None:
+        values = request.requestHeaders.getRawHeaders(name)
+        return values[0] if values else None
+
+    return header
+
+
+def hold(channel, buckets: ByteBuckets, bucket: str, seconds: float) -> None:
+    """Read nothing more from `channel`'s connection until `bucket` is out of debt, `seconds`
+    from now as far as this connection knows (others of the bucket's may add to the debt
+    meanwhile: the hold's end looks again)."""
+    channel.transport.pauseProducing()
+    channel.orchard_hold = (buckets, bucket)
+    pending = getattr(channel, "orchard_release", None)
+    if pending is not None and pending.active():
+        pending.reset(seconds)
+    else:
+        channel.orchard_release = channel.callLater(seconds, release, channel)
+
+
+def release(channel) -> None:
+    """Read from `channel`'s connection again once its bucket is out of debt, unless Twisted
+    holds it itself: while the answer waits for the client to read (`_waitingForTransport`)
+    or a whole request is being handled (`_handlingRequest`: Twisted reads again once the
+    request is done)."""
+    channel.orchard_release = None
+    transport = channel.transport
+    if transport is None or not getattr(transport, "connected", True):
+        return
+    buckets, bucket = channel.orchard_hold
+    debt = -buckets.level(bucket)
+    if debt > 0:  # another connection of the bucket's spent meanwhile
+        channel.orchard_release = channel.callLater(debt / buckets.rate, release, channel)
+        return
+    if channel._waitingForTransport or channel._handlingRequest:
+        return
+    transport.resumeProducing()
+
+
+def install(cap_for: Callable[[str], int], body_rate: BodyRate | None = None) -> None:
+    """Use the request class below for daphne's connections from now on (idempotent; the
+    last call's `cap_for` and `body_rate` apply)."""
     from daphne import http_protocol
 
     base = getattr(http_protocol.WebRequest, "orchard_base", http_protocol.WebRequest)
@@ -92,6 +152,10 @@ def install(cap_for: Callable[[str], int]) -> None:
                 self.server.request_buffer_size = BODY_MESSAGE_BYTES
 
         def gotLength(self, length):  # (Twisted's name)
+            self.orchard_bucket = None
+            if body_rate is not None:
+                peer = getattr(self.client, "host", None)
+                self.orchard_bucket = body_rate.bucket_for(first_header(self), peer)
             path = request_path(self)
             if (
                 length is not None
@@ -102,5 +166,13 @@ def install(cap_for: Callable[[str], int]) -> None:
                 self.content = DroppedBody()  # BodyCapMiddleware answers 413 from the headers
                 return
             super().gotLength(length)
+
+        def handleContentChunk(self, data):  # (Twisted's name)
+            super().handleContentChunk(data)
+            bucket = getattr(self, "orchard_bucket", None)
+            if bucket is not None and self.channel is not None:
+                wait = body_rate.buckets.spend(bucket, len(data))
+                if wait > 0:
+                    hold(self.channel, body_rate.buckets, bucket, wait)
 
     http_protocol.WebRequest = Request

@@ -1,14 +1,14 @@
 """ASGI entry point: HTTP goes through the body cap (inference/body_cap.py: a body over
 ORCHARD_MAX_BODY_BYTES, or its route's own cap, e.g. the file limit on uploads to /v1/files, is a
-413 before Django reads it; daphne drops such a body as it arrives and parses none:
-common/daphne_requests.py) to Django's own ASGI handler (it notices client disconnects while
-streaming and cancels the view, which aborts the generation), with each request's sync thread taken
-from a pool (common/request_threads.py): a key whose rpm refusal is held is answered before Django
-(inference/refused_keys.py), the /v1 routes a key authenticates go to a handler with the API's own
-middleware only, everything else to one with the pages' middleware. Websockets (the live engine
-status) go to Channels with the session's user. At start the process begins loading the enabled
-models and starts its pull runner (inference/services/pulls/runner.py) and its batch runner
-(inference/batches/runner.py)."""
+413 before Django reads it; daphne drops such a body as it arrives, parses none, and reads each
+team's bodies at most at ORCHARD_BODY_RATE_BYTES: common/daphne_requests.py) to Django's own ASGI
+handler (it notices client disconnects while streaming and cancels the view, which aborts the
+generation), with each request's sync thread taken from a pool (common/request_threads.py): a key
+whose rpm refusal is held is answered before Django (inference/refused_keys.py), the /v1 routes a
+key authenticates go to a handler with the API's own middleware only, everything else to one with
+the pages' middleware. Websockets (the live engine status) go to Channels with the session's user.
+At start the process begins loading the enabled models and starts its pull runner
+(inference/services/pulls/runner.py) and its batch runner (inference/batches/runner.py)."""
 
 import os
 
@@ -28,6 +28,7 @@ from common import daphne_requests, heap  # noqa: E402
 from common.request_threads import PooledASGIHandler  # noqa: E402
 from inference.batches.file_views import upload_body_cap  # noqa: E402
 from inference.body_cap import BodyCapMiddleware  # noqa: E402
+from inference.body_rate import body_rate  # noqa: E402
 from inference.refused_keys import RefusedKeyMiddleware  # noqa: E402
 from inference.web.consumers import StatusConsumer  # noqa: E402
 
@@ -74,8 +75,9 @@ django_asgi_app = BodyCapMiddleware(
         reverse("v1-files"): upload_body_cap(),
     },
 )
-# Under daphne: no body parsed by Twisted, and one over its cap dropped as it arrives.
-daphne_requests.install(django_asgi_app.cap_for)
+# Under daphne: no body parsed by Twisted, one over its cap dropped as it arrives, and each team's
+# bodies read at most as fast as ORCHARD_BODY_RATE_BYTES (inference/body_rate.py).
+daphne_requests.install(django_asgi_app.cap_for, body_rate())
 
 
 application = ProtocolTypeRouter(

@@ -174,6 +174,16 @@ if min(ORCHARD_MAX_BODY_BYTES, ORCHARD_MAX_EMBEDDINGS_BODY_BYTES) < 1:
     raise ImproperlyConfigured(
         "ORCHARD_MAX_BODY_BYTES and ORCHARD_MAX_EMBEDDINGS_BODY_BYTES must be at least 1."
     )
+# How fast one team's request bodies are read, per web process under daphne
+# (inference/body_rate.py): a token bucket of ORCHARD_BODY_BURST_BYTES filling at
+# ORCHARD_BODY_RATE_BYTES a second, per team once its key has authenticated in the process, else
+# per client address. A team over it waits in TCP, not on the process every team shares. 0 turns
+# it off. 16 MiB a second is sixteen prompts filling a 128k-token context a second, more than an
+# engine takes in; a 200 MiB file uploads in ~12 s.
+ORCHARD_BODY_RATE_BYTES = env_bytes("ORCHARD_BODY_RATE_BYTES", 16 << 20)
+ORCHARD_BODY_BURST_BYTES = env_bytes("ORCHARD_BODY_BURST_BYTES", 16 << 20)
+if ORCHARD_BODY_RATE_BYTES and ORCHARD_BODY_BURST_BYTES < 1:
+    raise ImproperlyConfigured("ORCHARD_BODY_BURST_BYTES must be at least 1 byte.")
 # Django's own check (form fields, request.body) never refuses a body the cap let through.
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(ORCHARD_MAX_BODY_BYTES, ORCHARD_MAX_EMBEDDINGS_BODY_BYTES)
 # A body the API's caps let through stays in memory in Django's ASGI handler (a file part of an

@@ -17,6 +17,7 @@ from rest_framework import serializers
 
 from accounts.authentication import AuthenticationError, authenticate_header
 from accounts.models import ApiKey
+from inference import body_rate
 from inference.api import preflight
 from inference.api.bodies import check_body_bytes, parse_json, request_body
 from inference.errors import APIError
@@ -35,10 +36,15 @@ async def authenticate(request: HttpRequest, *, x_api_key: bool = False) -> ApiK
     header = request.headers.get("Authorization")
     if x_api_key and request.headers.get("x-api-key"):
         header = f"Bearer {request.headers['x-api-key']}"
+    raw_key = body_rate.credential(header)
     try:
         api_key = await sync_to_async(authenticate_header)(header)
     except AuthenticationError as exc:
+        if raw_key:
+            body_rate.known_keys.forget(raw_key)
         raise APIError(401, exc.message, code=exc.code) from None
+    if raw_key:  # its bodies are paced as its team's from now on (inference/body_rate.py)
+        body_rate.known_keys.remember(raw_key, api_key.team_id)
     request.orchard_api_key = api_key  # for the middleware's x-ratelimit-* headers
     return api_key
 

@@ -2,7 +2,9 @@
 raw bytes: a body over its route's cap is dropped as it arrives (only its size is kept, for the
 413 the cap answers from the headers), one within it is kept whole, and no POST body is parsed
 into Twisted's `args` (a multipart upload would be read into memory and parsed on the event
-loop). Over real HTTP the 413s are tests/inference/test_body_cap.py's."""
+loop); with a body rate, a team past it is not read from until its debt is repaid, while another
+team is. Over real HTTP the 413s are tests/inference/test_body_cap.py's, the pacing
+tests/inference/test_body_rate.py's."""
 
 from types import SimpleNamespace
 
@@ -10,10 +12,12 @@ import pytest
 from daphne import http_protocol
 from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
+from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.web.http import HTTPChannel
 
 from common import daphne_requests
+from common.body_rate import ByteBuckets
 from common.daphne_requests import DroppedBody
 from inference.body_cap import BodyCapMiddleware
 
@@ -140,3 +144,73 @@ async def test_django_keeps_a_body_the_api_caps_let_through_in_memory():
     spooled = await ASGIHandler().read_body(receive)
     assert not spooled._rolled  # still in memory
     assert spooled.read() == body
+
+
+RATE = 64 * 1024  # bytes a second, for the pacing tests below (and as their burst)
+
+
+@pytest.fixture
+def paced():
+    """The request class with a body rate: one bucket per Authorization header, 64 KiB a
+    second and 64 KiB of burst on a clock the test moves; the module's class is put back."""
+    clock = Clock()
+    rate = daphne_requests.BodyRate(
+        buckets=ByteBuckets(rate=RATE, burst=RATE, clock=clock.seconds),
+        bucket_for=lambda header, peer: (header(b"authorization") or b"?").decode(),
+    )
+    daphne_requests.install(BodyCapMiddleware(None, max_bytes=CAP).cap_for, rate)
+    yield clock
+    daphne_requests.install(
+        BodyCapMiddleware(None, max_bytes=CAP, route_max_bytes={"/v1/small": SMALL_CAP}).cap_for
+    )
+
+
+def connection(clock: Clock, team: bytes, length: int) -> tuple[HTTPChannel, StringTransport]:
+    """A daphne channel on `clock` with a POST of `length` bytes from `team` begun (its
+    headers in, no body yet)."""
+    channel = HTTPChannel()
+    channel.requestFactory = http_protocol.WebRequest
+    channel.factory = SimpleNamespace(server=_Server())
+    channel.callLater = clock.callLater
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    channel.dataReceived(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: orchard\r\nAuthorization: "
+        + team
+        + b"\r\nContent-Length: "
+        + str(length).encode()
+        + b"\r\n\r\n"
+    )
+    return channel, transport
+
+
+def test_a_team_past_its_body_rate_is_not_read_from_until_its_debt_is_repaid(paced):
+    clock = paced
+    a, a_transport = connection(clock, b"team-a", 4 * RATE)
+    a.dataReceived(b"x" * RATE)  # the burst: nothing held
+    assert a_transport.producerState == "producing"
+    a.dataReceived(b"x" * (RATE // 2))  # half a second of debt
+    assert a_transport.producerState == "paused"
+    # A second connection of the same team spends from the same bucket: held as long.
+    a2, a2_transport = connection(clock, b"team-a", 4 * RATE)
+    a2.dataReceived(b"x" * (RATE // 2))  # one second of debt in all
+    assert a2_transport.producerState == "paused"
+    # Another team's connection is read as it comes.
+    b, b_transport = connection(clock, b"team-b", RATE)
+    b.dataReceived(b"y" * RATE)
+    assert b_transport.producerState == "producing"
+    clock.advance(0.9)
+    assert a_transport.producerState == a2_transport.producerState == "paused"
+    clock.advance(0.2)  # the debt is repaid: both are read from again
+    assert a_transport.producerState == a2_transport.producerState == "producing"
+
+
+def test_a_held_connection_is_left_to_twisted_while_its_request_is_handled(paced):
+    """The last chunk's debt holds the connection, but the request is then being handled
+    (Twisted reads again once it is done): the hold's end must not resume it early."""
+    clock = paced
+    channel, transport = connection(clock, b"team-a", 2 * RATE)
+    channel.dataReceived(b"x" * (2 * RATE))  # the whole body, a second of debt
+    assert transport.producerState == "paused" and channel._handlingRequest
+    clock.advance(2)
+    assert transport.producerState == "paused"

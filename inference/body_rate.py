@@ -1,0 +1,100 @@
+"""Whose bucket a request body's bytes are spent from while daphne reads them (common/body_rate.py,
+common/daphne_requests.py): its team's, once the request's key has authenticated in this process,
+else its client address's.
+
+The key is known only from what the view saw: `authenticate` (inference/api/common.py) remembers a
+key's team when it authenticates and forgets the key when it does not (revoked, expired, its
+member gone). A key never seen, or made up, spends from its client address's bucket, so inventing
+keys buys no bucket of one's own; behind the reverse proxies in ORCHARD_TRUSTED_PROXIES the address
+is the client's as X-Forwarded-For gives it (accounts/signin.py's rule). Nothing here decides
+access: a bucket only paces how fast bytes are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from django.conf import settings
+
+from accounts.signin import client_address
+from common.body_rate import ByteBuckets
+from common.daphne_requests import BodyRate
+
+MAX_KEYS = 10_000  # keys remembered at once (least recently seen go first)
+
+
+class KnownKeys:
+    """The teams of keys that authenticated in this process (by a digest of the key)."""
+
+    def __init__(self, max_keys: int = MAX_KEYS):
+        self.max_keys = max_keys
+        self._teams: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, raw_key: str, team_id: int) -> None:
+        digest = _digest(raw_key)
+        with self._lock:
+            self._teams[digest] = team_id
+            self._teams.move_to_end(digest)
+            while len(self._teams) > self.max_keys:
+                self._teams.popitem(last=False)
+
+    def forget(self, raw_key: str) -> None:
+        with self._lock:
+            self._teams.pop(_digest(raw_key), None)
+
+    def team_of(self, raw_key: str) -> int | None:
+        with self._lock:
+            return self._teams.get(_digest(raw_key))
+
+
+known_keys = KnownKeys()
+
+
+def _digest(raw_key: str) -> bytes:
+    return hashlib.sha256(raw_key.encode("utf-8", "surrogateescape")).digest()
+
+
+def credential(authorization: str | None, x_api_key: str | None = None) -> str | None:
+    """The key a request carries: `x-api-key` (Anthropic's clients), else `Authorization:
+    Bearer`."""
+    if x_api_key:
+        return x_api_key
+    parts = (authorization or "").split()
+    if len(parts) == 2 and parts[0].lower() == "bearer":
+        return parts[1]
+    return None
+
+
+def bucket_for(header: Callable[[bytes], bytes | None], peer: str | None) -> str:
+    """The bucket of a request with these headers from `peer` (see the module docstring)."""
+
+    def text(name: bytes) -> str | None:
+        value = header(name)
+        return value.decode("latin-1") if value is not None else None
+
+    raw_key = credential(text(b"authorization"), text(b"x-api-key"))
+    team_id = known_keys.team_of(raw_key) if raw_key else None
+    if team_id is not None:
+        return f"team:{team_id}"
+    if peer is None:
+        return "address:local"  # a Unix socket: the proxy in front, which sends no address
+    address = client_address(
+        remote_addr=peer,
+        forwarded_for=text(b"x-forwarded-for"),
+        trusted_proxies=settings.ORCHARD_TRUSTED_PROXIES,
+    )
+    return f"address:{address}"
+
+
+def body_rate() -> BodyRate | None:
+    """The buckets as the settings make them (None: no pacing, ORCHARD_BODY_RATE_BYTES = 0)."""
+    if not settings.ORCHARD_BODY_RATE_BYTES:
+        return None
+    buckets = ByteBuckets(
+        rate=settings.ORCHARD_BODY_RATE_BYTES, burst=settings.ORCHARD_BODY_BURST_BYTES
+    )
+    return BodyRate(buckets=buckets, bucket_for=bucket_for)
