@@ -43,7 +43,7 @@ BODY_MESSAGE_BYTES = 1 << 20
 @dataclasses.dataclass
 class BodyRate:
     """The buckets bodies are spent from, and `bucket_for(header, peer)`: the bucket of a
-    request, from its headers (`header(name)`: the first value of a lowercase header, or None)
+    request, from its headers (`header(name)`: a lowercase header's values, joined, or None)
     and the address of its peer (None when it has none, e.g. a Unix socket)."""
 
     buckets: ByteBuckets
@@ -95,10 +95,13 @@ def request_path(request) -> str | None:
         return None
 
 
-def first_header(request) -> Callable[[bytes], bytes | None]:
+def all_headers(request) -> Callable[[bytes], bytes | None]:
+    """`header(name)`: a header's values joined with commas, as Django joins a repeated header
+    (so a proxy's own X-Forwarded-For line after the client's counts), or None."""
+
     def header(name: bytes) -> bytes | None:
         values = request.requestHeaders.getRawHeaders(name)
-        return values[0] if values else None
+        return b",".join(values) if values else None
 
     return header
 
@@ -153,9 +156,16 @@ def install(cap_for: Callable[[str], int], body_rate: BodyRate | None = None) ->
 
         def gotLength(self, length):  # (Twisted's name)
             self.orchard_bucket = None
+            self.orchard_wire = False
             if body_rate is not None:
                 peer = getattr(self.client, "host", None)
-                self.orchard_bucket = body_rate.bucket_for(first_header(self), peer)
+                self.orchard_bucket = body_rate.bucket_for(all_headers(self), peer)
+                decoder = getattr(self.channel, "_transferDecoder", None)
+                if length is None and decoder is not None:
+                    # Chunked: spent as the bytes come off the socket, chunk-size lines and
+                    # trailers included, not as the body they decode to.
+                    self.orchard_wire = True
+                    decoder.dataReceived = self._spending(decoder.dataReceived)
             path = request_path(self)
             if (
                 length is not None
@@ -169,10 +179,34 @@ def install(cap_for: Callable[[str], int], body_rate: BodyRate | None = None) ->
 
         def handleContentChunk(self, data):  # (Twisted's name)
             super().handleContentChunk(data)
+            if not getattr(self, "orchard_wire", True):
+                self._spend(len(data))
+
+        def finish(self):
+            """Twisted reads the connection again once a request is done (`requestDone`),
+            debt or not: held again while the request's bucket is in debt, so that requests
+            whose bodies each come in one read are paced too."""
+            channel = getattr(self, "channel", None)  # (gone once the request is cleaned up)
             bucket = getattr(self, "orchard_bucket", None)
-            if bucket is not None and self.channel is not None:
-                wait = body_rate.buckets.spend(bucket, len(data))
+            result = super().finish()
+            if bucket is not None and channel is not None and channel.transport is not None:
+                debt = -body_rate.buckets.level(bucket)
+                if debt > 0:
+                    hold(channel, body_rate.buckets, bucket, debt / body_rate.buckets.rate)
+            return result
+
+        def _spend(self, nbytes: int) -> None:
+            bucket, channel = getattr(self, "orchard_bucket", None), getattr(self, "channel", None)
+            if bucket is not None and channel is not None:
+                wait = body_rate.buckets.spend(bucket, nbytes)
                 if wait > 0:
-                    hold(self.channel, body_rate.buckets, bucket, wait)
+                    hold(channel, body_rate.buckets, bucket, wait)
+
+        def _spending(self, received: Callable[[bytes], None]) -> Callable[[bytes], None]:
+            def spend_then(data: bytes) -> None:
+                self._spend(len(data))
+                received(data)
+
+            return spend_then
 
     http_protocol.WebRequest = Request

@@ -3,17 +3,20 @@ common/daphne_requests.py): its team's, once the request's key has authenticated
 else its client address's.
 
 The key is known only from what the view saw: `authenticate` (inference/api/common.py) remembers a
-key's team when it authenticates and forgets the key when it does not (revoked, expired, its
-member gone). A key never seen, or made up, spends from its client address's bucket, so inventing
-keys buys no bucket of one's own; behind the reverse proxies in ORCHARD_TRUSTED_PROXIES the address
-is the client's as X-Forwarded-For gives it (accounts/signin.py's rule). Nothing here decides
+key's team when it authenticates (for KNOWN_FOR_S after the last time) and forgets the key when it
+does not (revoked, expired, its member gone). A key never seen, or made up, spends from its client
+address's bucket (an IPv6 address's /64), so inventing keys buys no bucket of one's own; behind
+the reverse proxies in ORCHARD_TRUSTED_PROXIES the address is the client's as X-Forwarded-For
+gives it (accounts/signin.py's rule). Nothing here decides
 access: a bucket only paces how fast bytes are read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -24,20 +27,31 @@ from common.body_rate import ByteBuckets
 from common.daphne_requests import BodyRate
 
 MAX_KEYS = 10_000  # keys remembered at once (least recently seen go first)
+# A key is its team's for this long after it last authenticated: a key revoked meanwhile whose
+# requests never reach authentication again (413s, held 429s) goes back to its address's bucket.
+KNOWN_FOR_S = 60.0
 
 
 class KnownKeys:
-    """The teams of keys that authenticated in this process (by a digest of the key)."""
+    """The teams of keys that authenticated in this process in the last `known_for_s` seconds
+    (by a digest of the key)."""
 
-    def __init__(self, max_keys: int = MAX_KEYS):
+    def __init__(
+        self,
+        max_keys: int = MAX_KEYS,
+        known_for_s: float = KNOWN_FOR_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.max_keys = max_keys
-        self._teams: OrderedDict[bytes, int] = OrderedDict()
+        self.known_for_s = known_for_s
+        self.clock = clock
+        self._teams: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # (team, until)
         self._lock = threading.Lock()
 
     def remember(self, raw_key: str, team_id: int) -> None:
         digest = _digest(raw_key)
         with self._lock:
-            self._teams[digest] = team_id
+            self._teams[digest] = (team_id, self.clock() + self.known_for_s)
             self._teams.move_to_end(digest)
             while len(self._teams) > self.max_keys:
                 self._teams.popitem(last=False)
@@ -47,8 +61,15 @@ class KnownKeys:
             self._teams.pop(_digest(raw_key), None)
 
     def team_of(self, raw_key: str) -> int | None:
+        digest = _digest(raw_key)
         with self._lock:
-            return self._teams.get(_digest(raw_key))
+            entry = self._teams.get(digest)
+            if entry is None:
+                return None
+            if entry[1] <= self.clock():
+                del self._teams[digest]
+                return None
+            return entry[0]
 
 
 known_keys = KnownKeys()
@@ -87,7 +108,19 @@ def bucket_for(header: Callable[[bytes], bytes | None], peer: str | None) -> str
         forwarded_for=text(b"x-forwarded-for"),
         trusted_proxies=settings.ORCHARD_TRUSTED_PROXIES,
     )
-    return f"address:{address}"
+    return f"address:{_network(address)}"
+
+
+def _network(address: str) -> str:
+    """An IPv6 address's /64 (one host's or site's usual share: its addresses are one bucket),
+    an IPv4 address itself."""
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if parsed.version == 6:
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return str(parsed)
 
 
 def body_rate() -> BodyRate | None:

@@ -16,7 +16,7 @@ from accounts.models import ApiKey
 from accounts.services import api_key_revoke
 from inference import body_rate
 from inference.api.common import authenticate
-from inference.body_rate import bucket_for, known_keys
+from inference.body_rate import KnownKeys, bucket_for, known_keys
 from inference.errors import APIError
 from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
 
@@ -49,6 +49,25 @@ def test_a_key_spends_from_its_teams_bucket_once_known_and_from_its_address_befo
     finally:
         known_keys.forget(key)
     assert bucket_for(headers(), None) == "address:local"  # a Unix socket
+
+
+def test_a_known_key_goes_back_to_its_address_a_while_after_it_last_authenticated():
+    now = [0.0]
+    keys = KnownKeys(known_for_s=60, clock=lambda: now[0])
+    keys.remember("sk-orch-a", 3)
+    now[0] = 59
+    assert keys.team_of("sk-orch-a") == 3
+    keys.remember("sk-orch-a", 3)  # authenticated again: another minute
+    now[0] = 110
+    assert keys.team_of("sk-orch-a") == 3
+    now[0] = 120
+    assert keys.team_of("sk-orch-a") is None
+
+
+def test_an_ipv6_clients_addresses_share_its_64s_bucket():
+    assert bucket_for(headers(), "2001:db8:1:2::1") == "address:2001:db8:1:2::/64"
+    assert bucket_for(headers(), "2001:db8:1:2:ffff::9") == "address:2001:db8:1:2::/64"
+    assert bucket_for(headers(), "2001:db8:1:3::1") == "address:2001:db8:1:3::/64"
 
 
 def test_the_address_comes_from_x_forwarded_for_only_through_trusted_proxies():

@@ -15,6 +15,7 @@ from django.core.handlers.asgi import ASGIHandler
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.web.http import HTTPChannel
+from twisted.web.http_headers import Headers
 
 from common import daphne_requests
 from common.body_rate import ByteBuckets
@@ -46,6 +47,9 @@ class _Server:
         self.messages: list[dict] = []
 
     def protocol_connected(self, protocol) -> None:
+        pass
+
+    def protocol_disconnected(self, protocol) -> None:
         pass
 
     def create_application(self, protocol, scope):
@@ -159,28 +163,36 @@ def paced():
         bucket_for=lambda header, peer: (header(b"authorization") or b"?").decode(),
     )
     daphne_requests.install(BodyCapMiddleware(None, max_bytes=CAP).cap_for, rate)
+    clock.buckets = rate.buckets
     yield clock
     daphne_requests.install(
         BodyCapMiddleware(None, max_bytes=CAP, route_max_bytes={"/v1/small": SMALL_CAP}).cap_for
     )
 
 
-def connection(clock: Clock, team: bytes, length: int) -> tuple[HTTPChannel, StringTransport]:
-    """A daphne channel on `clock` with a POST of `length` bytes from `team` begun (its
-    headers in, no body yet)."""
+def post_head(team: bytes, length: int | None) -> bytes:
+    size = b"Transfer-Encoding: chunked" if length is None else b"Content-Length: %d" % length
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: orchard\r\nAuthorization: "
+        + team
+        + b"\r\n"
+        + size
+        + b"\r\n\r\n"
+    )
+
+
+def connection(
+    clock: Clock, team: bytes, length: int | None
+) -> tuple[HTTPChannel, StringTransport]:
+    """A daphne channel on `clock` with a POST of `length` bytes (None: chunked) from `team`
+    begun (its headers in, no body yet)."""
     channel = HTTPChannel()
     channel.requestFactory = http_protocol.WebRequest
-    channel.factory = SimpleNamespace(server=_Server())
+    channel.factory = SimpleNamespace(server=_Server(), log=lambda request: None)
     channel.callLater = clock.callLater
     transport = StringTransport()
     channel.makeConnection(transport)
-    channel.dataReceived(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: orchard\r\nAuthorization: "
-        + team
-        + b"\r\nContent-Length: "
-        + str(length).encode()
-        + b"\r\n\r\n"
-    )
+    channel.dataReceived(post_head(team, length))
     return channel, transport
 
 
@@ -214,3 +226,41 @@ def test_a_held_connection_is_left_to_twisted_while_its_request_is_handled(paced
     assert transport.producerState == "paused" and channel._handlingRequest
     clock.advance(2)
     assert transport.producerState == "paused"
+
+
+def test_requests_whose_bodies_come_in_one_read_are_paced_on_a_kept_alive_connection(paced):
+    """Twisted reads a connection again once its request is done, debt or not: the request's
+    end holds it again while the team is in debt."""
+    clock = paced
+    channel, transport = connection(clock, b"team-a", RATE + RATE // 2)
+    channel.dataReceived(b"x" * (RATE + RATE // 2))  # whole, in one read: half a second of debt
+    (request,) = channel.requests
+    request.finish()
+    assert transport.producerState == "paused"
+    clock.advance(0.4)
+    assert transport.producerState == "paused"
+    clock.advance(0.2)
+    assert transport.producerState == "producing"
+    channel.dataReceived(post_head(b"team-a", 100) + b"y" * 100)  # the next request: no debt
+    channel.requests[0].finish()
+    assert transport.producerState == "producing"
+
+
+def test_a_chunked_body_is_spent_as_its_bytes_come_off_the_socket(paced):
+    """Chunk-size lines and their extensions cost their bytes, not the one byte each chunk
+    decodes to."""
+    clock = paced
+    channel, _ = connection(clock, b"team-a", None)
+    chunk = b"1;" + b"e" * 1000 + b"\r\nx\r\n"
+    for _ in range(10):
+        channel.dataReceived(chunk)
+    assert clock.buckets.level("team-a") == RATE - 10 * len(chunk)
+
+
+def test_a_repeated_header_is_read_whole():
+    """A proxy that adds its own X-Forwarded-For line after the client's: both count, as
+    Django joins them."""
+    headers = Headers({b"X-Forwarded-For": [b"203.0.113.9", b"198.51.100.4"]})
+    header = daphne_requests.all_headers(SimpleNamespace(requestHeaders=headers))
+    assert header(b"x-forwarded-for") == b"203.0.113.9,198.51.100.4"
+    assert header(b"authorization") is None
