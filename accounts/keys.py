@@ -35,6 +35,17 @@ def redact_keys(text: str) -> str:
     return _KEY_IN_TEXT_RE.sub(lambda match: lookup_prefix(match.group()), text)
 
 
+def presented_key(authorization: str | None, x_api_key: str | None = None) -> str | None:
+    """The key a request presents: `x_api_key` (the `x-api-key` header of Anthropic's clients)
+    when given, else the token of an `Authorization: Bearer <key>` header; None for neither."""
+    if x_api_key:
+        return x_api_key
+    parts = (authorization or "").split()
+    if len(parts) == 2 and parts[0].lower() == "bearer":
+        return parts[1]
+    return None
+
+
 def digest(raw_key: str) -> str:
     return hashlib.sha256(raw_key.encode()).hexdigest()
 

@@ -13,7 +13,6 @@ access: a bucket only paces how fast bytes are read.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import threading
 import time
@@ -22,6 +21,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 
+from accounts import keys
 from accounts.signin import client_address
 from common.body_rate import ByteBuckets
 from common.daphne_requests import BodyRate
@@ -45,11 +45,11 @@ class KnownKeys:
         self.max_keys = max_keys
         self.known_for_s = known_for_s
         self.clock = clock
-        self._teams: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # (team, until)
+        self._teams: OrderedDict[str, tuple[int, float]] = OrderedDict()  # (team, until)
         self._lock = threading.Lock()
 
     def remember(self, raw_key: str, team_id: int) -> None:
-        digest = _digest(raw_key)
+        digest = keys.digest(raw_key)
         with self._lock:
             self._teams[digest] = (team_id, self.clock() + self.known_for_s)
             self._teams.move_to_end(digest)
@@ -58,10 +58,10 @@ class KnownKeys:
 
     def forget(self, raw_key: str) -> None:
         with self._lock:
-            self._teams.pop(_digest(raw_key), None)
+            self._teams.pop(keys.digest(raw_key), None)
 
     def team_of(self, raw_key: str) -> int | None:
-        digest = _digest(raw_key)
+        digest = keys.digest(raw_key)
         with self._lock:
             entry = self._teams.get(digest)
             if entry is None:
@@ -75,21 +75,6 @@ class KnownKeys:
 known_keys = KnownKeys()
 
 
-def _digest(raw_key: str) -> bytes:
-    return hashlib.sha256(raw_key.encode("utf-8", "surrogateescape")).digest()
-
-
-def credential(authorization: str | None, x_api_key: str | None = None) -> str | None:
-    """The key a request carries: `x-api-key` (Anthropic's clients), else `Authorization:
-    Bearer`."""
-    if x_api_key:
-        return x_api_key
-    parts = (authorization or "").split()
-    if len(parts) == 2 and parts[0].lower() == "bearer":
-        return parts[1]
-    return None
-
-
 def bucket_for(header: Callable[[bytes], bytes | None], peer: str | None) -> str:
     """The bucket of a request with these headers from `peer` (see the module docstring)."""
 
@@ -97,7 +82,7 @@ def bucket_for(header: Callable[[bytes], bytes | None], peer: str | None) -> str
         value = header(name)
         return value.decode("latin-1") if value is not None else None
 
-    raw_key = credential(text(b"authorization"), text(b"x-api-key"))
+    raw_key = keys.presented_key(text(b"authorization"), text(b"x-api-key"))
     team_id = known_keys.team_of(raw_key) if raw_key else None
     if team_id is not None:
         return f"team:{team_id}"

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from accounts import keys
 from inference.errors import ANTHROPIC_PREFIX, APIError, error_response_for
 from inference.middleware import new_request_id
 from inference.services import metrics
@@ -37,12 +38,11 @@ def _raw_key(scope: Scope) -> str | None:
     """The key the view would authenticate (inference/api/common.py `authenticate`): the
     `x-api-key` header first on Anthropic's routes, else `Authorization: Bearer`."""
     headers = dict(scope.get("headers", ()))
-    if scope["path"].startswith(ANTHROPIC_PREFIX) and headers.get(b"x-api-key"):
-        return headers[b"x-api-key"].decode("latin-1")
-    parts = headers.get(b"authorization", b"").decode("latin-1").split()
-    if len(parts) == 2 and parts[0].lower() == "bearer":
-        return parts[1]
-    return None
+    x_api_key = headers.get(b"x-api-key") if scope["path"].startswith(ANTHROPIC_PREFIX) else None
+    return keys.presented_key(
+        headers.get(b"authorization", b"").decode("latin-1"),
+        x_api_key.decode("latin-1") if x_api_key else None,
+    )
 
 
 class RefusedKeyMiddleware:

@@ -15,6 +15,7 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from rest_framework import serializers
 
+from accounts import keys
 from accounts.authentication import AuthenticationError, authenticate_header
 from accounts.models import ApiKey
 from inference import body_rate
@@ -36,7 +37,7 @@ async def authenticate(request: HttpRequest, *, x_api_key: bool = False) -> ApiK
     header = request.headers.get("Authorization")
     if x_api_key and request.headers.get("x-api-key"):
         header = f"Bearer {request.headers['x-api-key']}"
-    raw_key = body_rate.credential(header)
+    raw_key = keys.presented_key(header)
     try:
         api_key = await sync_to_async(authenticate_header)(header)
     except AuthenticationError as exc:

@@ -18,7 +18,7 @@ from inference import body_rate
 from inference.api.common import authenticate
 from inference.body_rate import KnownKeys, bucket_for, known_keys
 from inference.errors import APIError
-from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
+from tests.fixtures.daphne import daphne_servers, server_env
 
 RATE = 512 * 1024
 BURST = 64 * 1024
@@ -110,10 +110,8 @@ def paced_server(django_db_setup, tmp_path_factory):
         "ORCHARD_BODY_BURST_BYTES": str(BURST),
         "ORCHARD_PRELOAD_MODELS": "0",
     }
-    port = free_port()
-    process = start_daphne(port=port, env=env, log_path=home / "server.log")
-    yield f"http://127.0.0.1:{port}"
-    stop_daphne(process)
+    with daphne_servers(1, env, home) as (url,):
+        yield url
 
 
 def test_one_teams_bodies_are_read_at_its_rate_while_another_teams_request_goes_through(

@@ -29,7 +29,7 @@ from inference.batches.files import (
     file_delete,
     files_storage_used,
 )
-from tests.fixtures.daphne import free_port, server_env, start_daphne, stop_daphne
+from tests.fixtures.daphne import daphne_servers, server_env
 
 KIB = 1024
 FILE_MAX = 256 * KIB
@@ -56,10 +56,8 @@ def files_server(django_db_setup, tmp_path_factory):
         "ORCHARD_PRELOAD_MODELS": "0",
         "ORCHARD_BATCH_RUNNER": "0",
     }
-    port = free_port()
-    process = start_daphne(port=port, env=env, log_path=home / "server.log")
-    yield f"http://127.0.0.1:{port}", home / "files"
-    stop_daphne(process)
+    with daphne_servers(1, env, home) as (url,):
+        yield url, home / "files"
 
 
 @pytest.fixture
