@@ -78,16 +78,21 @@ class Probe:
     # The chats' usage rows: time to first token from the request's submission to the engine.
     engine_ttft_ms: list[float] = field(default_factory=list)
     ttft_at: list[float] = field(default_factory=list)  # seconds into the phase, per ttft_ms
+    models_at: list[float] = field(default_factory=list)  # the same, per models_ms
     began_wall: float = 0.0
 
     def slowest(self) -> str:
-        """The five slowest first tokens (ms @ seconds into the phase) and the engine's."""
+        """The five slowest first tokens (ms @ seconds into the phase), the engine's, and the
+        five slowest /v1/models answers."""
         chats = sorted(zip(self.ttft_ms, self.ttft_at, strict=True), reverse=True)[:5]
         engines = sorted(self.engine_ttft_ms, reverse=True)[:5]
+        models = sorted(zip(self.models_ms, self.models_at, strict=True), reverse=True)[:5]
         return (
             f"(phase began {self.began_wall:.2f}) slowest TTFT "
             + ", ".join(f"{ms:.0f}@{at:.1f}s" for ms, at in chats)
             + ("; the engine's " + ", ".join(f"{ms:.0f}" for ms in engines))
+            + "; slowest /v1/models "
+            + ", ".join(f"{ms:.0f}@{at:.1f}s" for ms, at in models)
         )
 
     def row(self) -> tuple[float, float, float, float]:
@@ -137,6 +142,7 @@ async def probe(base_url: str, key: str, seconds: float) -> Probe:
             if response.status_code != 200:
                 result.failures.append(f"models {response.status_code}: {response.text[:200]}")
             result.models_ms.append((time.perf_counter() - start) * 1000)
+            result.models_at.append(time.monotonic() - began)
             await asyncio.sleep(0.02)
 
     async def chat(http: httpx.AsyncClient) -> None:

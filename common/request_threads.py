@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext
+from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 from django.db import close_old_connections
 
@@ -99,7 +100,23 @@ async def in_own_thread(coroutine: Coroutine[Any, Any, Any], *, close_connection
 
 
 class PooledASGIHandler(ASGIHandler):
-    """Django's ASGIHandler with each request's sync thread taken from the pool."""
+    """Django's ASGIHandler with each request's sync thread taken from the pool, and without
+    the reference cycle Django's leaves behind each request (`listen_for_disconnect`)."""
+
+    async def listen_for_disconnect(self, receive):
+        """Django's, ending without an error. Django's raises RequestAborted when the server
+        says the client is gone (daphne says so once the response is sent) or is cancelled
+        once the response is done; `handle` then takes that error from the task, and its
+        traceback holds `handle`'s frame, which holds the task, which holds the error. That
+        cycle, with the request and its body's file (some 150 objects a request), was left to
+        the cyclic garbage collector, whose full collections walk the heap with the
+        interpreter lock held: under one team's flood, every team's requests waited for them
+        (bench/isolation.py). Ending quietly changes nothing else: `handle` cancels the view
+        when this task ends first, whatever its outcome."""
+        try:
+            await super().listen_for_disconnect(receive)
+        except (RequestAborted, asyncio.CancelledError):
+            pass
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

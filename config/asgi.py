@@ -29,6 +29,7 @@ from common.request_threads import PooledASGIHandler  # noqa: E402
 from inference.batches.file_views import upload_body_cap  # noqa: E402
 from inference.body_cap import BodyCapMiddleware  # noqa: E402
 from inference.body_rate import body_rate  # noqa: E402
+from inference.middleware import answering_errors  # noqa: E402
 from inference.refused_keys import RefusedKeyMiddleware  # noqa: E402
 from inference.web.consumers import StatusConsumer  # noqa: E402
 
@@ -48,6 +49,11 @@ class KeyedAPIHandler(PooledASGIHandler):
             super().load_middleware(is_async)
         finally:
             settings.MIDDLEWARE = pages
+
+    def make_view_atomic(self, view):
+        # Django's hook on each request's view, before it is called: its APIErrors are
+        # answered without Django's exception path (inference/middleware.py).
+        return answering_errors(super().make_view_atomic(view))
 
 
 pages_app = PooledASGIHandler()

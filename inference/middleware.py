@@ -3,8 +3,11 @@ key's `x-ratelimit-*` headers on every response once the key is known (errors in
 JSON error bodies instead of Django's HTML pages, even for unknown paths and unexpected
 exceptions: OpenAI's `{"error": {...}}`, on /v1/messages Anthropic's `{"type": "error", ...}`."""
 
+import functools
 import logging
+import traceback
 import uuid
+from collections.abc import Callable
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -65,6 +68,54 @@ class OpenAIApiMiddleware:
         return error_response_for(
             request.path, APIError(500, "The server had an error processing your request.")
         )
+
+
+# Views already wrapped by `answering_errors` (Django asks for each request's).
+_answering: dict[Callable, Callable] = {}
+
+
+def answering_errors(view: Callable) -> Callable:
+    """An async view whose APIError is answered where it is raised, on the event loop.
+
+    Raised to Django, it would be answered by `OpenAIApiMiddleware.process_exception`, which
+    Django calls through `sync_to_async` from inside its `except`: asgiref hands the error to
+    the thread (its `thread_handler` raises it again there), so the error's traceback holds a
+    frame that holds the error. That cycle, with the request and everything its frames hold
+    (a refused prompt's text too), is left for the garbage collector, whose full collections
+    walk the heap with the interpreter lock held: under one team's flood of refusals, every
+    team's requests waited for them (bench/isolation.py). And each refusal cost a hop to a
+    thread and back. Answered here, the error's frames are cleared too (`_let_go`)."""
+    if not iscoroutinefunction(view):
+        return view
+    answered = _answering.get(view)
+    if answered is None:
+
+        @functools.wraps(view)
+        async def answered(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            try:
+                return await view(request, *args, **kwargs)
+            except APIError as exc:
+                _let_go(exc)
+                return error_response_for(request.path, exc)
+
+        answered = _answering.setdefault(view, answered)
+    return answered
+
+
+def _let_go(error: BaseException) -> None:
+    """Clear the finished frames of `error`'s tracebacks, and of the errors it was raised from
+    or during: a frame that holds, in a local, the future or task that holds the error (asyncio's
+    and asgiref's own `sync_to_async` do) is a cycle through the error's traceback, and the
+    frames hold the request. Nothing reads these tracebacks once the error is answered."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
 
 
 def _error_for_status(status: int) -> APIError:

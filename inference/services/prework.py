@@ -110,7 +110,13 @@ class FairGate:
         running.add_done_callback(lambda _: self._release(team))
         if started is not None:
             started(running)
-        return await asyncio.shield(running)
+        try:
+            return await asyncio.shield(running)
+        finally:
+            # A failed job's error, raised here, holds this frame in its traceback, and the
+            # frame holds the task that holds the error: a cycle (with the job's input) only
+            # the cyclic garbage collector would free (common/request_threads.py).
+            running = None
 
     async def in_thread(
         self,
