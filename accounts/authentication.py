@@ -8,6 +8,7 @@ from accounts import keys
 from accounts.limits.budgets import budget_rows_for
 from accounts.models import ApiKey, Membership
 from accounts.services import api_key_touch_last_used
+from common.precompiled import Precompiled
 
 ERROR_MISSING = "You didn't provide an API key. Use an 'Authorization: Bearer sk-orch-...' header."
 ERROR_MALFORMED = "Malformed Authorization header; expected 'Bearer <key>'."
@@ -38,7 +39,8 @@ def authenticate_header(header: str | None) -> ApiKey:
     raw_key = parts[1]
     if not keys.is_well_formed(raw_key):
         raise AuthenticationError(ERROR_INVALID)
-    api_key = _with_membership().filter(prefix=keys.lookup_prefix(raw_key)).first()
+    found = _key_by_prefix(keys.lookup_prefix(raw_key))
+    api_key = found[0] if found else None
     if api_key is None or not keys.digest_matches(raw_key, api_key.digest):
         raise AuthenticationError(ERROR_INVALID)
     _check(api_key)
@@ -67,6 +69,13 @@ def _with_membership():
     return ApiKey.objects.select_related("team", "user", "parent").annotate(
         user_is_member=Exists(membership)
     )
+
+
+# Every request's query, compiled once (common/precompiled.py): as `.first()` would run it.
+_key_by_prefix = Precompiled(
+    lambda prefix: _with_membership().filter(prefix=prefix).order_by("pk")[:1],
+    "\x00a stand-in for a key's prefix\x00",
+)
 
 
 def _check(api_key: ApiKey) -> None:

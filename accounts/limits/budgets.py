@@ -26,6 +26,7 @@ from django.db.models import Q
 from accounts.models import ApiKey, Budget, Team
 from accounts.selectors import api_key_month_tokens
 from common.money import format_money, to_nanos
+from common.precompiled import Precompiled
 
 TOKENS, MONEY = Budget.Unit.TOKENS.value, Budget.Unit.MONEY.value
 KEY, MEMBER, TEAM = Budget.Scope.KEY.value, Budget.Scope.MEMBER.value, Budget.Scope.TEAM.value
@@ -105,15 +106,16 @@ def _owner(api_key: ApiKey) -> ApiKey:
 
 
 def budget_rows_for(api_key: ApiKey, day: datetime.date) -> list[Budget]:
-    """The Budget rows that cover a request of `api_key` on `day` (one query)."""
+    """The Budget rows that cover a request of `api_key` on `day` (one query, compiled once:
+    every request reads them)."""
     owner = _owner(api_key)
-    return list(
-        Budget.objects.filter(team_id=owner.team_id)
-        .filter(
-            Q(scope=TEAM)
-            | Q(scope=MEMBER, user_id=owner.user_id)
-            | Q(scope=KEY, api_key_id=owner.pk)
-        )
+    return _budget_rows(owner.team_id, owner.user_id, owner.pk, day)
+
+
+def _budget_rows_query(team_id: int, user_id: int, key_id: int, day: datetime.date):
+    return (
+        Budget.objects.filter(team_id=team_id)
+        .filter(Q(scope=TEAM) | Q(scope=MEMBER, user_id=user_id) | Q(scope=KEY, api_key_id=key_id))
         .filter(
             Q(period=Budget.Period.MONTHLY)
             | Q(period=Budget.Period.CUSTOM, starts_on__lte=day, ends_on__gte=day)
@@ -121,6 +123,9 @@ def budget_rows_for(api_key: ApiKey, day: datetime.date) -> list[Budget]:
         .select_related("team", "user", "api_key")
         .order_by("pk")
     )
+
+
+_budget_rows = Precompiled(_budget_rows_query, -7001, -7002, -7003, datetime.date(1901, 2, 3))
 
 
 def budget_limit(budget: Budget, day: datetime.date) -> BudgetLimit:
