@@ -4,14 +4,16 @@ Building and compiling a queryset is most of what a small query costs Django: au
 key (the key with its team, user and parent key, and whether the user is still a member) took
 3.7 ms of the interpreter lock a request here, 0.1 ms of it in SQLite; under load every team's
 requests wait for that lock (bench/isolation.py). `Precompiled` builds its queryset once per
-thread, with stand-in values, keeps the SQL and where the stand-ins went in its parameters, and
-then runs that SQL with each call's values, building the objects as Django's own iterable does
-(`ModelIterable`: select_related objects and annotations included). The database is still read
-on every call; only the compiling is skipped.
+process, with stand-in values, keeps the SQL and where the stand-ins went in its parameters, and
+then runs that SQL on the calling thread's connection with each call's values, building the
+objects as Django's own iterable does (`ModelIterable`: select_related objects and annotations
+included, values through the compiler's converters). The database is still read on every call;
+only the compiling is skipped. Once per process, not per thread: a flood of requests at once
+grows the pool of request threads, and each new thread would compile again.
 
 The values are adapted for the database as the queryset adapted the stand-ins: ints and strings
-as they are, dates through the backend's own adapter. tests/common/test_precompiled.py checks
-the objects against the queryset's own, on SQLite and PostgreSQL.
+as they are, dates through the backend's own adapter. tests/accounts/test_precompiled_queries.py
+checks the objects against the querysets' own, on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ class _Compiled:
 
 
 class Precompiled:
-    """`build(*values)` (a queryset of model instances) run with its SQL compiled once per
-    thread; `stand_ins` are values of the same kinds that no call passes (each must reach the
+    """`build(*values)` (a queryset of model instances) run with its SQL compiled once;
+    `stand_ins` are values of the same kinds that no call passes (each must reach the
     SQL's parameters as itself, or as a date through the backend's adapter)."""
 
     def __init__(self, build: Callable[..., QuerySet], *stand_ins: Any) -> None:
@@ -51,11 +53,12 @@ class Precompiled:
             raise ValueError("the stand-ins must differ from one another")
         self._build = build
         self._stand_ins = stand_ins
-        self._local = threading.local()
+        self._once: _Compiled | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, *values: Any) -> list[Model]:
         compiled = self._compiled()
-        connection = connections[compiled.alias]
+        connection = connections[compiled.alias]  # this thread's
         params = list(compiled.params)
         for value, positions in zip(values, compiled.positions, strict=True):
             value = _adapt(connection, value)
@@ -77,14 +80,17 @@ class Precompiled:
         return objects
 
     def _compiled(self) -> _Compiled:
-        # Per thread: a compiler belongs to its thread's connection.
-        compiled = getattr(self._local, "compiled", None)
+        # The compiler is kept for its converters and select list, which read the connection
+        # it was made with only for its settings: the SQL runs on each caller's connection.
+        compiled = self._once
         if compiled is None:
-            compiled = self._local.compiled = self._compile()
+            with self._lock:
+                if self._once is None:
+                    self._once = self._compile(self._build(*self._stand_ins))
+                compiled = self._once
         return compiled
 
-    def _compile(self) -> _Compiled:
-        queryset = self._build(*self._stand_ins)
+    def _compile(self, queryset: QuerySet) -> _Compiled:
         alias = queryset.db
         compiler = queryset.query.get_compiler(using=alias)
         sql, params = compiler.as_sql()  # also fills compiler.select, klass_info, annotations

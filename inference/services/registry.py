@@ -8,6 +8,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from accounts.models import ApiKey
+from common.precompiled import Precompiled
 from engine import ModelSpec
 from inference.models import ModelEntry
 from inference.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
@@ -124,10 +125,20 @@ def model_spec(entry: ModelEntry) -> ModelSpec:
 
 
 def models_for_key(api_key: ApiKey) -> list[ModelEntry]:
-    entries = ModelEntry.objects.filter(enabled=True).select_related("draft_model")
-    if not api_key.all_models:
-        entries = entries.filter(name__in=api_key.allowed_models)
-    return list(entries)
+    if api_key.all_models:
+        return _enabled_entries()
+    return list(_enabled().filter(name__in=api_key.allowed_models))
+
+
+def _enabled():
+    return ModelEntry.objects.filter(enabled=True).select_related("draft_model")
+
+
+# The queries of every /v1/models and every generation, compiled once (common/precompiled.py).
+_enabled_entries = Precompiled(_enabled)
+_enabled_entry = Precompiled(
+    lambda name: _enabled().filter(name=name), "\x00a stand-in for a model's name\x00"
+)
 
 
 def models_for_user(user: AbstractBaseUser) -> list[ModelEntry]:
@@ -144,7 +155,8 @@ def model_for_key(api_key: ApiKey, name: str) -> ModelEntry | None:
     404 either way, so a key cannot probe for models it may not use)."""
     if not _is_model_name(name) or not api_key.allows_model(name):
         return None
-    return ModelEntry.objects.filter(enabled=True, name=name).select_related("draft_model").first()
+    found = _enabled_entry(name)  # names are unique: one row at most
+    return found[0] if found else None
 
 
 def _is_model_name(name: str) -> bool:

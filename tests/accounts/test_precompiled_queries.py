@@ -92,7 +92,7 @@ def test_a_budget_row_query_gives_the_querysets_rows_for_every_scope_and_period(
     assert len(queries) == 1
 
 
-def test_each_thread_compiles_its_own_and_gets_the_same(transactional_db):
+def test_threads_share_one_compile_and_read_on_their_own_connections(transactional_db):
     api_key, _ = api_key_with_raw()
     found = []
 
@@ -108,3 +108,23 @@ def test_each_thread_compiles_its_own_and_gets_the_same(transactional_db):
     for thread in threads:
         thread.join()
     assert found == [api_key.pk] * 3
+
+
+def test_a_keys_models_are_what_their_querysets_give():
+    from inference.models import ModelEntry
+    from inference.services.registry import model_for_key, models_for_key
+    from tests.factories import ModelEntryFactory
+
+    draft = ModelEntryFactory(name="draft")
+    main = ModelEntryFactory(name="main", draft_model=draft)
+    ModelEntryFactory(name="off", enabled=False)
+    api_key, _ = api_key_with_raw()
+    expected = list(ModelEntry.objects.filter(enabled=True).select_related("draft_model"))
+    assert [fields_of(m) for m in models_for_key(api_key)] == [fields_of(m) for m in expected]
+    with CaptureQueriesContext(connection) as queries:
+        found = model_for_key(api_key, "main")
+        assert found.draft_model.name == "draft"
+    assert len(queries) == 1
+    assert fields_of(found) == fields_of(main)
+    assert model_for_key(api_key, "off") is None
+    assert model_for_key(api_key, "nothing-called-this") is None
