@@ -51,10 +51,31 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
 def validate(serializer_class: type[serializers.Serializer], data: dict) -> dict[str, Any]:
     serializer = serializer_class(data=data)
-    if not serializer.is_valid():
-        param, message = _first_error(serializer.errors)
-        raise APIError(400, f"Invalid '{param}': {message}", param=param)
-    return serializer.validated_data
+    try:
+        if not serializer.is_valid():
+            param, message = _first_error(serializer.errors)
+            raise APIError(400, f"Invalid '{param}': {message}", param=param)
+        return serializer.validated_data
+    finally:
+        _unbind(serializer)
+
+
+def _unbind(field: serializers.Field) -> None:
+    """Let go of DRF's links back up the tree: each field keeps its serializer (`parent`) and a
+    list's item field its list, while the serializer keeps its fields. Each request's serializer
+    (a chat's: some 200 objects) would otherwise wait for the cyclic garbage collector, whose
+    full collections hold the interpreter lock (common/request_threads.py). Once the data is
+    out, nothing reads the tree again."""
+    children = []
+    fields = field.__dict__.pop("fields", None)  # a serializer's (a cached property)
+    if fields is not None:
+        children += fields.values()
+    child = field.__dict__.get("child")  # a list's or a dict's item field
+    if child is not None:
+        children.append(child)
+    field.__dict__.pop("parent", None)
+    for child in children:
+        _unbind(child)
 
 
 def _first_error(errors: Any, path: str = "") -> tuple[str, str]:

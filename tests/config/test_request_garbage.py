@@ -144,3 +144,31 @@ def test_a_failed_preparation_job_leaves_no_cycle(saved_garbage):
         if type(thing).__name__ == "frame" and thing.f_code.co_filename.endswith("prework.py")
     ]
     assert frames == []
+
+
+@pytest.mark.parametrize("valid", [True, False])
+def test_a_validated_body_leaves_no_cycle(saved_garbage, valid):
+    """DRF's fields point back at their serializer: the tree is let go of once the data is
+    out, whether the body was valid or not."""
+    from rest_framework import serializers
+
+    from inference.api.bodies import validate
+    from inference.api.serializers import ChatCompletionSerializer
+    from inference.errors import APIError
+
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "stop": ["x"],
+    }
+    if not valid:
+        body["temperature"] = "hot"
+    for _ in range(3):
+        try:
+            validate(ChatCompletionSerializer, body)
+        except APIError:
+            assert not valid
+    gc.collect()
+    fields = [thing for thing in saved_garbage if isinstance(thing, serializers.Field)]
+    assert fields == []
