@@ -26,35 +26,12 @@ from django.urls import path, reverse  # noqa: E402
 
 from common import daphne_requests, heap  # noqa: E402
 from common.request_threads import PooledASGIHandler  # noqa: E402
+from config.handlers import KeyedAPIHandler  # noqa: E402
 from inference.batches.file_views import upload_body_cap  # noqa: E402
 from inference.body_cap import BodyCapMiddleware  # noqa: E402
 from inference.body_rate import body_rate  # noqa: E402
-from inference.middleware import answering_errors  # noqa: E402
 from inference.refused_keys import RefusedKeyMiddleware  # noqa: E402
 from inference.web.consumers import StatusConsumer  # noqa: E402
-
-
-class KeyedAPIHandler(PooledASGIHandler):
-    """Django for the /v1 routes a key authenticates, with only the middleware they use
-    (settings.API_MIDDLEWARE). The pages' middleware (sessions, CSRF, signed-in users, messages,
-    frame options) runs synchronously: each is a hop to a thread and back, a dozen a request,
-    which an API request paid for nothing but latency."""
-
-    def load_middleware(self, is_async=False):
-        # Django builds the chain from settings.MIDDLEWARE: swapped for this call only, once,
-        # while this module loads (before anything serves).
-        pages = settings.MIDDLEWARE
-        settings.MIDDLEWARE = settings.API_MIDDLEWARE
-        try:
-            super().load_middleware(is_async)
-        finally:
-            settings.MIDDLEWARE = pages
-
-    def make_view_atomic(self, view):
-        # Django's hook on each request's view, before it is called: its APIErrors are
-        # answered without Django's exception path (inference/middleware.py).
-        return answering_errors(super().make_view_atomic(view))
-
 
 pages_app = PooledASGIHandler()
 api_app = KeyedAPIHandler()

@@ -2,15 +2,17 @@
 
 What a cycle holds waits for Python's cyclic garbage collector, whose full collections walk the
 heap with the interpreter lock held; under one team's flood of requests, every team's requests
-waited for them (bench/isolation.py). Each test runs requests through the real ASGI application
-(config.asgi: body cap, route split, Django, the API middleware) as daphne drives it, with the
-collector saving what it finds (DEBUG_SAVEALL) instead of freeing it: a request whose objects
-reach `gc.garbage` was only ever freed by a collection.
+waited for them (bench/isolation.py). The requests go through the /v1 routes' own handler
+(config/handlers.py: Django with the API's middleware) as daphne drives it, in this process
+(config.asgi itself would start the pull and batch runners here), with the collector saving what
+it finds (DEBUG_SAVEALL) instead of freeing it: a request whose objects reach `gc.garbage` was
+only ever freed by a collection.
 """
 
 import asyncio
 import gc
 import json
+import types
 
 import pytest
 from django.core.handlers.asgi import ASGIRequest
@@ -88,14 +90,30 @@ def saved_garbage():
 
 
 def requests_in(garbage: list) -> list:
+    """The requests, frames and tracebacks the collector found (a refusal's cycle runs through
+    its error's traceback and frames, whether or not it reaches the request)."""
     gc.collect()
-    return [thing for thing in garbage if isinstance(thing, ASGIRequest)]
+    return [
+        thing
+        for thing in garbage
+        if isinstance(thing, ASGIRequest | types.FrameType | types.TracebackType)
+    ]
+
+
+class Engines:
+    """No engine in this process: /v1/models asks only for the models' states."""
+
+    def model_status(self, name):
+        raise AssertionError("no model is registered")
 
 
 @pytest.mark.django_db(transaction=True)
-def test_answered_and_refused_api_requests_leave_no_cycle(saved_garbage):
-    from config.asgi import application
+def test_answered_and_refused_api_requests_leave_no_cycle(saved_garbage, monkeypatch):
+    from config.handlers import KeyedAPIHandler
+    from inference.services import catalog
 
+    monkeypatch.setattr(catalog, "get_engine_client", Engines)
+    application = KeyedAPIHandler()
     _, key = api_key_with_raw()
     try:
         statuses = [
